@@ -1,0 +1,150 @@
+"""Synthetic arithmetic task family with a difficulty knob, as a TFDS builder.
+
+Difficulty d (number of digits):
+  add: a + b with both operands of exactly d digits (d=1: 0..9).
+  mul: a * b with a of exactly d digits and b a single digit 2..9.
+Prompts look like "123+456=" and the answer is the decimal result ("579").
+
+The builder writes array_record files and is read with `as_data_source()`, so TensorFlow is
+never needed. The eval split is held out: no eval prompt appears in train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from typing import Iterator, Sequence
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+OPS = ("add", "mul")
+_SYMBOL = {"add": "+", "mul": "*"}
+
+
+def _operand_range(digits: int) -> tuple[int, int]:
+  return (0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+
+def _space(op: str, digits: int) -> int:
+  lo, hi = _operand_range(digits)
+  n = hi - lo + 1
+  return n * n if op == "add" else n * 8
+
+
+def _nth_problem(op: str, digits: int, index: int) -> tuple[int, int]:
+  lo, hi = _operand_range(digits)
+  n = hi - lo + 1
+  if op == "add":
+    return lo + index // n, lo + index % n
+  return lo + index // 8, 2 + index % 8
+
+
+def format_problem(op: str, a: int, b: int) -> tuple[str, str]:
+  result = a + b if op == "add" else a * b
+  return f"{a}{_SYMBOL[op]}{b}=", str(result)
+
+
+def generate_split_problems(op: str, digits: int, num_train: int, num_eval: int,
+                            seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+  """Disjoint (train, eval) operand lists; small spaces are enumerated and split."""
+  if op not in OPS:
+    raise ValueError(f"Unknown arithmetic op {op!r}; expected one of {OPS}.")
+  if digits < 1:
+    raise ValueError(f"digits={digits}; expected >= 1.")
+  rng = random.Random(f"{seed}-{op}-{digits}")
+  space = _space(op, digits)
+  if space <= 200_000:
+    order = list(range(space))
+    rng.shuffle(order)
+    num_eval = min(num_eval, space // 2)
+    eval_idx = order[:num_eval]
+    train_idx = order[num_eval:num_eval + num_train]
+    return ([_nth_problem(op, digits, i) for i in train_idx],
+            [_nth_problem(op, digits, i) for i in eval_idx])
+  seen: set[int] = set()
+  picks: list[int] = []
+  while len(picks) < num_eval + num_train:
+    i = rng.randrange(space)
+    if i not in seen:
+      seen.add(i)
+      picks.append(i)
+  problems = [_nth_problem(op, digits, i) for i in picks]
+  return problems[num_eval:], problems[:num_eval]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticSpec:
+  ops: tuple[str, ...] = OPS
+  levels: tuple[int, ...] = (1, 2, 3, 4, 5)
+  num_train_per_level: int = 2000
+  num_eval_per_level: int = 200
+  seed: int = 0
+
+  def name(self) -> str:
+    ops = "_".join(self.ops)
+    levels = "_".join(str(l) for l in self.levels)
+    return (f"{ops}-d{levels}-n{self.num_train_per_level}-e{self.num_eval_per_level}"
+            f"-s{self.seed}")
+
+
+class ArithmeticConfig(tfds.core.BuilderConfig):
+
+  def __init__(self, spec: ArithmeticSpec):
+    super().__init__(name=spec.name(), description="Synthetic arithmetic.")
+    self.spec = spec
+
+
+class Arithmetic(tfds.core.GeneratorBasedBuilder):
+  """TFDS builder generating the arithmetic task locally (no download)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = [ArithmeticConfig(ArithmeticSpec())]
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="Synthetic arithmetic (addition, multiplication) by number of digits.",
+        features=tfds.features.FeaturesDict({
+            "prompt": tfds.features.Text(),
+            "answer": tfds.features.Text(),
+            "op": tfds.features.Text(),
+            "difficulty": np.int32,
+        }),
+        supervised_keys=None,
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples("train"), "eval": self._generate_examples("eval")}
+
+  def _generate_examples(self, split: str) -> Iterator[tuple[str, dict]]:
+    spec: ArithmeticSpec = self.builder_config.spec
+    for op in spec.ops:
+      for digits in spec.levels:
+        train, held_out = generate_split_problems(op, digits, spec.num_train_per_level,
+                                                  spec.num_eval_per_level, spec.seed)
+        for i, (a, b) in enumerate(train if split == "train" else held_out):
+          prompt, answer = format_problem(op, a, b)
+          yield f"{op}-{digits}-{i}", {"prompt": prompt, "answer": answer, "op": op,
+                                       "difficulty": digits}
+
+
+def build(spec: ArithmeticSpec, data_dir: str) -> dict[str, Sequence[dict]]:
+  """Prepares (once, cached in data_dir) and returns {'train': source, 'eval': source}."""
+  os.makedirs(data_dir, exist_ok=True)
+  builder = Arithmetic(config=ArithmeticConfig(spec), data_dir=data_dir,
+                       file_format="array_record")
+  builder.download_and_prepare()
+  sources = builder.as_data_source()
+  return {"train": sources["train"], "eval": sources["eval"]}
+
+
+def decode_example(ex: dict) -> dict:
+  """TFDS data sources return bytes for Text features; give back str."""
+  return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in ex.items()}
+
+
+def read_all(source) -> list[dict]:
+  return [decode_example(source[i]) for i in range(len(source))]

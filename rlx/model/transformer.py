@@ -1,0 +1,326 @@
+"""Decoder-only transformer in flax NNX (Llama / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 switches).
+
+The hot loops never call `nnx.jit`; they jit plain functions of `(graphdef, params)` where
+`params` is the pure nested dict from `nnx.split` (see `init_params` / `apply`).
+
+Attention goes through a KV context so that one model serves three call patterns:
+  * `cache=None`: full causal self-attention over the given tokens (training, log-probs).
+  * a dense cache (`rlx.sampler.dense.DenseKVCache`): prefill and single-step decode.
+  * a paged cache (`rlx.sampler.paged`): same model, paged KV pool.
+A context implements `layer_attend(layer, q, k, v, q_pos, spec) -> (out, context)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlx.model.config import ModelConfig
+
+Params = dict[str, Any]
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """Static per-layer attention settings."""
+
+  scale: float
+  softcap: float | None
+  window: int | None
+
+
+class KVContext(Protocol):
+
+  def layer_attend(self, layer: int, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_pos_BxT,
+                   spec: AttentionSpec):
+    ...
+
+
+# ----------------------------------------------------------------------------- attention math
+
+
+def attention_mask(q_pos_BxT, k_pos_BxS, window: int | None):
+  """allowed[b, t, s]: key s is valid (pos >= 0), not in the future, inside the window."""
+  q = q_pos_BxT[:, :, None]
+  k = k_pos_BxS[:, None, :]
+  allowed = (k >= 0) & (k <= q)
+  if window is not None:
+    allowed &= (q - k) < window
+  return allowed
+
+
+def dot_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, spec: AttentionSpec):
+  """Masked softmax attention with grouped-query heads; softmax in f32.
+
+  Fully masked rows (padding queries) give finite garbage that callers ignore.
+  """
+  b, t, h, d = q_BxTxHxD.shape
+  kv = k_BxSxKxD.shape[2]
+  q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kv, h // kv, d)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
+                      preferred_element_type=jnp.float32) * spec.scale
+  if spec.softcap is not None:
+    logits = spec.softcap * jnp.tanh(logits / spec.softcap)
+  logits = jnp.where(allowed_BxTxS[:, None, None], logits, _MASK_VALUE)
+  probs = jax.nn.softmax(logits, axis=-1)
+  # Select, not multiply: garbage (even NaN) in masked value slots must not leak.
+  v_safe = jnp.where((allowed_BxTxS.any(axis=1))[:, :, None, None], v_BxSxKxD, 0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_safe.dtype), v_safe,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+
+
+# ----------------------------------------------------------------------------- rope
+
+
+@functools.lru_cache(maxsize=None)
+def rope_inv_freq(cfg: ModelConfig, layer: int) -> np.ndarray:
+  """Inverse frequencies [head_dim // 2] for a layer (numpy: static, computed at trace)."""
+  local = cfg.is_sliding(layer) and cfg.rope_local_theta is not None
+  theta = cfg.rope_local_theta if local else cfg.rope_theta
+  d = cfg.head_dim
+  inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  if local or cfg.rope_scaling == "none":
+    return inv
+  if cfg.rope_scaling == "linear":
+    return inv / cfg.rope_scaling_factor
+  # llama3: low frequencies scaled by `factor`, high ones kept, smooth in between.
+  factor = cfg.rope_scaling_factor
+  old = cfg.rope_original_max_position
+  low_wavelen = old / cfg.rope_low_freq_factor
+  high_wavelen = old / cfg.rope_high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+  smooth = (old / wavelen - cfg.rope_low_freq_factor) / (
+      cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxHxD, pos_BxT, inv_freq):
+  """Rotate-half RoPE (the Hugging Face / Llama layout), computed in f32."""
+  angles = pos_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x = x_BxTxHxD.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxD.dtype)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _normal(rngs: nnx.Rngs, shape, std, dtype):
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, cfg: ModelConfig):
+    self.eps = cfg.norm_eps
+    self.plus_one = cfg.norm_plus_one
+    init = jnp.zeros if cfg.norm_plus_one else jnp.ones
+    self.scale = nnx.Param(init((dim,), cfg.weight_dtype))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    w = self.scale[...].astype(jnp.float32)
+    return (y * (1.0 + w if self.plus_one else w)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.layer = layer
+    d, hd = cfg.d_model, cfg.head_dim
+    std = d ** -0.5
+    wd = cfg.weight_dtype
+    self.q_proj = _normal(rngs, (d, cfg.num_heads * hd), std, wd)
+    self.k_proj = _normal(rngs, (d, cfg.num_kv_heads * hd), std, wd)
+    self.v_proj = _normal(rngs, (d, cfg.num_kv_heads * hd), std, wd)
+    self.o_proj = _normal(rngs, (cfg.num_heads * hd, d),
+                          (cfg.num_heads * hd) ** -0.5 / math.sqrt(2 * cfg.num_layers), wd)
+    if cfg.qkv_bias:
+      self.q_bias = nnx.Param(jnp.zeros((cfg.num_heads * hd,), wd))
+      self.k_bias = nnx.Param(jnp.zeros((cfg.num_kv_heads * hd,), wd))
+      self.v_bias = nnx.Param(jnp.zeros((cfg.num_kv_heads * hd,), wd))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg)
+      self.k_norm = RMSNorm(hd, cfg)
+    self.spec = AttentionSpec(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap,
+                              window=cfg.window(layer))
+
+  def _project(self, x, name, heads):
+    cfg = self.cfg
+    w = getattr(self, f"{name}_proj")[...].astype(cfg.compute_dtype)
+    y = jnp.einsum("btd,de->bte", x, w)
+    if cfg.qkv_bias:
+      y = y + getattr(self, f"{name}_bias")[...].astype(cfg.compute_dtype)
+    return y.reshape(*x.shape[:2], heads, cfg.head_dim)
+
+  def __call__(self, x_BxTxD, pos_BxT, valid_BxT, ctx: KVContext | None):
+    cfg = self.cfg
+    q = self._project(x_BxTxD, "q", cfg.num_heads)
+    k = self._project(x_BxTxD, "k", cfg.num_kv_heads)
+    v = self._project(x_BxTxD, "v", cfg.num_kv_heads)
+    if cfg.qk_norm:
+      q = self.q_norm(q)
+      k = self.k_norm(k)
+    inv_freq = rope_inv_freq(cfg, self.layer)
+    q = apply_rope(q, pos_BxT, inv_freq)
+    k = apply_rope(k, pos_BxT, inv_freq)
+    if ctx is None:
+      k_pos = jnp.where(valid_BxT, pos_BxT, -1)
+      allowed = attention_mask(pos_BxT, k_pos, self.spec.window)
+      out = dot_attention(q, k, v, allowed, self.spec)
+    else:
+      out, ctx = ctx.layer_attend(self.layer, q, k, v, pos_BxT, self.spec)
+    b, t = x_BxTxD.shape[:2]
+    out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return jnp.einsum("bte,ed->btd", out, self.o_proj[...].astype(cfg.compute_dtype)), ctx
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, f, wd = cfg.d_model, cfg.mlp_dim, cfg.weight_dtype
+    self.gate_proj = _normal(rngs, (d, f), d ** -0.5, wd)
+    self.up_proj = _normal(rngs, (d, f), d ** -0.5, wd)
+    self.down_proj = _normal(rngs, (f, d), f ** -0.5 / math.sqrt(2 * cfg.num_layers), wd)
+
+  def __call__(self, x):
+    dt = self.cfg.compute_dtype
+    gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(dt))
+    up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(dt))
+    if self.cfg.activation == "silu":
+      act = jax.nn.silu(gate)
+    else:
+      act = jax.nn.gelu(gate, approximate=True)
+    return jnp.einsum("btf,fd->btd", act * up, self.down_proj[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(cfg.d_model, cfg)
+    self.attn = Attention(cfg, layer, rngs)
+    if cfg.post_attn_norm:
+      self.post_attn_norm = RMSNorm(cfg.d_model, cfg)
+    self.pre_mlp_norm = RMSNorm(cfg.d_model, cfg)
+    self.mlp = MLP(cfg, rngs)
+    if cfg.post_mlp_norm:
+      self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)
+    self.cfg = cfg
+
+  def __call__(self, x, pos, valid, ctx):
+    h, ctx = self.attn(self.input_norm(x), pos, valid, ctx)
+    if self.cfg.post_attn_norm:
+      h = self.post_attn_norm(h)
+    x = x + h
+    h = self.mlp(self.pre_mlp_norm(x))
+    if self.cfg.post_mlp_norm:
+      h = self.post_mlp_norm(h)
+    return x + h, ctx
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. `__call__(tokens, positions, valid, ctx) -> (logits f32, ctx)`."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embedding = _normal(rngs, (cfg.vocab_size, cfg.d_model), cfg.d_model ** -0.5,
+                             cfg.weight_dtype)
+    for i in range(cfg.num_layers):
+      setattr(self, f"layer_{i}", Block(cfg, i, rngs))
+    self.final_norm = RMSNorm(cfg.d_model, cfg)
+    if not cfg.tie_embeddings:
+      self.lm_head = _normal(rngs, (cfg.d_model, cfg.vocab_size), cfg.d_model ** -0.5,
+                             cfg.weight_dtype)
+
+  def layers(self):
+    return [getattr(self, f"layer_{i}") for i in range(self.cfg.num_layers)]
+
+  def embed(self, tokens_BxT):
+    cfg = self.cfg
+    x = jnp.take(self.embedding[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
+    if cfg.embed_scale:
+      # Gemma multiplies by sqrt(d) rounded to the activation dtype.
+      x = x * jnp.asarray(math.sqrt(cfg.d_model), cfg.compute_dtype)
+    return x
+
+  def hidden(self, tokens_BxT, pos_BxT, valid_BxT=None, ctx: KVContext | None = None):
+    if valid_BxT is None:
+      valid_BxT = jnp.ones(tokens_BxT.shape, bool)
+    x = self.embed(tokens_BxT)
+    for block in self.layers():
+      x, ctx = block(x, pos_BxT, valid_BxT, ctx)
+    return self.final_norm(x), ctx
+
+  def logits(self, h_BxTxD):
+    cfg = self.cfg
+    if cfg.tie_embeddings:
+      w = self.embedding[...].astype(cfg.compute_dtype)
+      logits = jnp.einsum("btd,vd->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
+    else:
+      w = self.lm_head[...].astype(cfg.compute_dtype)
+      logits = jnp.einsum("btd,dv->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:
+      logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
+
+  def __call__(self, tokens_BxT, pos_BxT, valid_BxT=None, ctx: KVContext | None = None):
+    h, ctx = self.hidden(tokens_BxT, pos_BxT, valid_BxT, ctx)
+    return self.logits(h), ctx
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> tuple[nnx.GraphDef, Params]:
+  """Returns (graphdef, params) with params a pure nested dict of arrays."""
+  model = Transformer(cfg, nnx.Rngs(params=seed))
+  graphdef, state = nnx.split(model, nnx.Param)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
+  """Shapes and dtypes only (no allocation): for sharding plans and checkpoint restore."""
+  return nnx.eval_shape(lambda: init_params(cfg, 0))  # type: ignore[return-value]
+
+
+def graphdef_for(cfg: ModelConfig) -> nnx.GraphDef:
+  model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(params=0)))
+  graphdef, _ = nnx.split(model, nnx.Param)
+  return graphdef
+
+
+def bind(graphdef: nnx.GraphDef, params: Params) -> Transformer:
+  return nnx.merge(graphdef, params)
+
+
+def apply(graphdef, params, tokens_BxT, pos_BxT, valid_BxT=None, ctx=None):
+  return bind(graphdef, params)(tokens_BxT, pos_BxT, valid_BxT, ctx)
+
+
+def token_logprobs(graphdef, params, tokens_BxT, pos_BxT, valid_BxT, temperature: float = 1.0):
+  """log pi(tokens[:, t+1] | tokens[:, :t+1]) for t < T-1, shape [B, T-1], f32.
+
+  The policy is softmax(logits / temperature), matching what the sampler draws from.
+  """
+  logits, _ = apply(graphdef, params, tokens_BxT, pos_BxT, valid_BxT)
+  logits = logits[:, :-1] / temperature
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return jnp.take_along_axis(logp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]

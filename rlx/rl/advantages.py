@@ -1,0 +1,38 @@
+"""Group-relative advantages for GRPO-family methods.
+
+Rewards arrive group-major: the G samples of prompt i sit at rows i*G .. i*G+G-1.
+
+  grpo     (Shao et al. 2024, arXiv 2402.03300): (r - mean_g) / (std_g + eps), std unbiased.
+  dr_grpo  (Liu et al. 2025, arXiv 2503.20783): r - mean_g (no std normalisation).
+  rloo     (Ahmadian et al. 2024, arXiv 2402.14740): r_i - mean_{j != i} r_j
+           = G / (G - 1) * (r_i - mean_g).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+MODES = ("grpo", "dr_grpo", "rloo")
+# Modes whose baseline uses the other members of the group: meaningless for G = 1.
+GROUP_MODES = MODES
+
+
+def group_advantages(rewards_N, group_size: int, mode: str = "grpo", eps: float = 1e-6):
+  """Returns (advantages f32[N], zero_variance bool[N // G] per group)."""
+  if mode not in MODES:
+    raise ValueError(f"advantage mode {mode!r}; expected one of {MODES}.")
+  if group_size < 2:
+    raise ValueError(f"group_size={group_size}: '{mode}' advantages compare samples within a "
+                     f"group, so group_size must be >= 2.")
+  r = rewards_N.astype(jnp.float32).reshape(-1, group_size)
+  mean = r.mean(axis=1, keepdims=True)
+  centered = r - mean
+  zero_var = jnp.all(jnp.abs(centered) < 1e-12, axis=1)
+  if mode == "grpo":
+    std = jnp.sqrt(jnp.sum(centered ** 2, axis=1, keepdims=True) / (group_size - 1))
+    adv = centered / (std + eps)
+  elif mode == "dr_grpo":
+    adv = centered
+  else:
+    adv = centered * (group_size / (group_size - 1))
+  return adv.reshape(-1), zero_var

@@ -1,0 +1,82 @@
+"""Supervised warm start: teach the base model partial skill so RL starts where pass rates are
+uncertain (the default experiment runs this once and caches the result in the workdir)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rlx.data.tokenizer import Tokenizer
+from rlx.model import transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTData:
+  tokens: np.ndarray  # i32[N, L] [BOS] prompt answer [EOS], right-padded
+  loss_mask: np.ndarray  # bool[N, L] True on tokens to predict (answer + EOS)
+  lengths: np.ndarray  # i32[N]
+  difficulty: np.ndarray  # i32[N]
+
+
+def tokenize_sft(examples: Sequence[dict], tokenizer: Tokenizer, max_len: int) -> SFTData:
+  n = len(examples)
+  tokens = np.full((n, max_len), tokenizer.pad_id, np.int32)
+  loss_mask = np.zeros((n, max_len), bool)
+  lengths = np.zeros((n,), np.int32)
+  for i, ex in enumerate(examples):
+    p = [tokenizer.bos_id] + tokenizer.encode(ex["prompt"])
+    a = tokenizer.encode(ex["answer"]) + [tokenizer.eos_id]
+    seq = p + a
+    if len(seq) > max_len:
+      raise ValueError(f"SFT example {i} ({ex['prompt']!r} -> {ex['answer']!r}) has "
+                       f"{len(seq)} tokens; expected at most {max_len}.")
+    tokens[i, :len(seq)] = seq
+    loss_mask[i, len(p):len(seq)] = True
+    lengths[i] = len(seq)
+  difficulty = np.asarray([int(ex.get("difficulty", 0)) for ex in examples], np.int32)
+  return SFTData(tokens, loss_mask, lengths, difficulty)
+
+
+def sft_loss(graphdef, params, tokens_BxL, loss_mask_BxL, lengths_B):
+  """Mean next-token cross-entropy over answer tokens."""
+  b, l = tokens_BxL.shape
+  pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+  valid = pos < lengths_B[:, None]
+  logits, _ = transformer.apply(graphdef, params, tokens_BxL, pos, valid)
+  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  nll = -jnp.take_along_axis(logp, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
+  m = loss_mask_BxL[:, 1:].astype(jnp.float32)
+  return (nll * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+def make_sft_step(graphdef, tx):
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, tokens, loss_mask, lengths):
+    loss, grads = jax.value_and_grad(functools.partial(sft_loss, graphdef))(
+        params, tokens, loss_mask, lengths)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def level_sampler(data: SFTData, weights: dict[int, float], seed: int):
+  """Yields example indices: level drawn by `weights`, example uniform within the level."""
+  rng = np.random.default_rng(seed)
+  levels = sorted(weights)
+  by_level = {lv: np.flatnonzero(data.difficulty == lv) for lv in levels}
+  empty = [lv for lv in levels if by_level[lv].size == 0]
+  if empty:
+    raise ValueError(f"SFT level weights name levels {empty} with no training examples.")
+  probs = np.asarray([weights[lv] for lv in levels], np.float64)
+  probs = probs / probs.sum()
+
+  def draw(batch_size: int) -> np.ndarray:
+    lv = rng.choice(len(levels), size=batch_size, p=probs)
+    return np.asarray([rng.choice(by_level[levels[j]]) for j in lv], np.int64)
+  return draw

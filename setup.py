@@ -1,0 +1,34 @@
+"""rlx: sample-efficient RL post-training of language models in JAX."""
+
+import setuptools
+
+INSTALL_REQUIRES = [
+    "jax>=0.10,<0.12",
+    "flax>=0.12,<0.13",
+    "optax>=0.2.5",
+    "orbax-checkpoint>=0.11",
+    "tensorflow-datasets>=4.9.8",
+    "array_record>=0.7",
+    "sentencepiece>=0.2",
+    "ml-collections>=1.0",
+    "absl-py>=2.1",
+    "tqdm>=4.66",
+    "numpy>=1.26",
+]
+
+EXTRAS = {
+    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+}
+
+setuptools.setup(
+    name="rlx",
+    version="0.1.0",
+    description="Sample-efficient RL post-training of language models in JAX.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["rlx", "rlx.model", "rlx.sampler", "rlx.rl", "rlx.data", "rlx.kernels"],
+    package_dir={"rlx": "rlx", "rlx.kernels": "kernels"},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
