@@ -14,10 +14,16 @@ INSTALL_REQUIRES = [
     "absl-py>=2.1",
     "tqdm>=4.66",
     "numpy>=1.26",
+    "safetensors>=0.4",  # Hugging Face weights in and out (rlx.model.hf); never pickle
+    "tokenizers>=0.20",  # tokenizer.json (rlx.data.tokenizer)
+    "jinja2>=3.1.6",  # chat templates, rendered as transformers does (>=3.1.6: sandbox fixes)
 ]
 
 EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
+    # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build.
+    "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9"],
 }
 
 setuptools.setup(

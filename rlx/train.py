@@ -32,7 +32,7 @@ from rlx.model import transformer
 from rlx.model.config import ModelConfig
 from rlx.rl import advantages as adv_lib
 from rlx.rl.loss import LossConfig, policy_loss
-from rlx.sampler import dense
+from rlx.sampler import dense, paged
 from rlx.sampler.sampling import SamplingParams
 
 
@@ -74,6 +74,7 @@ class StepConfig:
   loss: LossConfig
   sampling: SamplingParams
   sampler_impl: str = "dense"
+  paged: paged.PagedConfig | None = None  # sampler_impl="paged" settings; None = defaults
 
   @property
   def batch_size(self) -> int:
@@ -134,7 +135,11 @@ def completion_logprobs(graphdef, params, prompts_BxP, prompt_lens_B, completion
 def sample(graphdef, params, prompts, prompt_lens, keys, cfg: StepConfig, mesh: Mesh | None):
   if cfg.sampler_impl == "dense":
     return dense.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, cfg.sampling)
-  raise ValueError(f"sampler impl {cfg.sampler_impl!r}; expected 'dense'.")
+  if cfg.sampler_impl == "paged":
+    return paged.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, cfg.sampling,
+                                   cfg.paged or paged.PagedConfig(),
+                                   group_size=cfg.group_size, mesh=mesh)
+  raise ValueError(f"sampler impl {cfg.sampler_impl!r}; expected 'dense' or 'paged'.")
 
 
 def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,

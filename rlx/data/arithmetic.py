@@ -41,9 +41,43 @@ def _nth_problem(op: str, digits: int, index: int) -> tuple[int, int]:
   return lo + index // 8, 2 + index % 8
 
 
-def format_problem(op: str, a: int, b: int) -> tuple[str, str]:
+def carries(op: str, a: int, b: int) -> list[int]:
+  """Carry out of each digit position of the schoolbook algorithm (lowest digit first)."""
+  out, carry, k = [], 0, 0
+  while a > 0 or (op == "add" and b > 0) or carry > 0 or k == 0:
+    if op == "add":
+      s = a % 10 + b % 10 + carry
+      b //= 10
+    else:
+      s = (a % 10) * b + carry
+    carry = s // 10
+    out.append(carry)
+    a //= 10
+    k += 1
+    if a == 0 and (op != "add" or b == 0):
+      break
+  return out
+
+
+def sloppy_result(op: str, a: int, b: int) -> int:
+  """The answer with the lowest carry dropped (a classic schoolbook mistake).
+
+  Equal to the true result when the problem has no carry.
+  """
   result = a + b if op == "add" else a * b
-  return f"{a}{_SYMBOL[op]}{b}=", str(result)
+  for k, c in enumerate(carries(op, a, b)):
+    if c:
+      return result - c * 10 ** (k + 1)
+  return result
+
+
+def format_problem(op: str, a: int, b: int, *, reverse: bool = False,
+                   result: int | None = None) -> tuple[str, str]:
+  """("123+456=", "579"); with reverse=True the answer is written lowest digit first."""
+  if result is None:
+    result = a + b if op == "add" else a * b
+  answer = str(result)
+  return f"{a}{_SYMBOL[op]}{b}=", answer[::-1] if reverse else answer
 
 
 def generate_split_problems(op: str, digits: int, num_train: int, num_eval: int,
@@ -81,12 +115,27 @@ class ArithmeticSpec:
   num_train_per_level: int = 2000
   num_eval_per_level: int = 200
   seed: int = 0
+  # Answers written lowest digit first: the format small transformers learn fastest
+  # (Lee et al. 2023, arXiv 2307.03381), because each digit then depends only on digits
+  # already seen.
+  reverse_answer: bool = True
+  # The warm-start "teacher" answer of a train example at these levels drops the lowest carry
+  # with probability `teacher_error_rate` (the eval split and the RL reward always use the
+  # true answer). This stands in for the noisy data a real base model is pretrained on.
+  teacher_error_levels: tuple[int, ...] = ()
+  teacher_error_rate: float = 0.0
 
   def name(self) -> str:
     ops = "_".join(self.ops)
     levels = "_".join(str(l) for l in self.levels)
-    return (f"{ops}-d{levels}-n{self.num_train_per_level}-e{self.num_eval_per_level}"
+    name = (f"{ops}-d{levels}-n{self.num_train_per_level}-e{self.num_eval_per_level}"
             f"-s{self.seed}")
+    if self.reverse_answer:
+      name += "-rev"
+    if self.teacher_error_levels and self.teacher_error_rate > 0:
+      lv = "_".join(str(l) for l in self.teacher_error_levels)
+      name += f"-te{lv}_{self.teacher_error_rate:g}"
+    return name
 
 
 class ArithmeticConfig(tfds.core.BuilderConfig):
@@ -109,6 +158,7 @@ class Arithmetic(tfds.core.GeneratorBasedBuilder):
         features=tfds.features.FeaturesDict({
             "prompt": tfds.features.Text(),
             "answer": tfds.features.Text(),
+            "teacher_answer": tfds.features.Text(),
             "op": tfds.features.Text(),
             "difficulty": np.int32,
         }),
@@ -121,13 +171,20 @@ class Arithmetic(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, split: str) -> Iterator[tuple[str, dict]]:
     spec: ArithmeticSpec = self.builder_config.spec
+    noise = random.Random(f"{spec.seed}-teacher")
     for op in spec.ops:
       for digits in spec.levels:
         train, held_out = generate_split_problems(op, digits, spec.num_train_per_level,
                                                   spec.num_eval_per_level, spec.seed)
         for i, (a, b) in enumerate(train if split == "train" else held_out):
-          prompt, answer = format_problem(op, a, b)
-          yield f"{op}-{digits}-{i}", {"prompt": prompt, "answer": answer, "op": op,
+          prompt, answer = format_problem(op, a, b, reverse=spec.reverse_answer)
+          teacher = answer
+          if (split == "train" and digits in spec.teacher_error_levels and
+              noise.random() < spec.teacher_error_rate):
+            _, teacher = format_problem(op, a, b, reverse=spec.reverse_answer,
+                                        result=sloppy_result(op, a, b))
+          yield f"{op}-{digits}-{i}", {"prompt": prompt, "answer": answer,
+                                       "teacher_answer": teacher, "op": op,
                                        "difficulty": digits}
 
 

@@ -52,9 +52,13 @@ class HostExamples:
 
 
 def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len: int,
-                  max_answer_len: int, *, task_name: str = "task") -> tuple[PromptPool,
-                                                                            HostExamples]:
-  """Tokenizes examples ({'prompt', 'answer', 'difficulty'}) into a PromptPool (numpy)."""
+                  max_answer_len: int, *, task_name: str = "task",
+                  add_special_tokens: bool = True) -> tuple[PromptPool, HostExamples]:
+  """Tokenizes examples ({'prompt', 'answer', 'difficulty'}) into a PromptPool (numpy).
+
+  Prompts get the tokenizer's special tokens (BOS) unless add_special_tokens=False (chat
+  templates already spell them out).
+  """
   if not examples:
     raise ValueError(f"{task_name}: the dataset is empty; expected at least one example.")
   n = len(examples)
@@ -64,10 +68,10 @@ def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len
   answer_lens = np.zeros((n,), np.int32)
   difficulty = np.zeros((n,), np.int32)
   for i, ex in enumerate(examples):
-    p = [tokenizer.bos_id] + tokenizer.encode(ex["prompt"])
+    p = tokenizer.encode(ex["prompt"], add_special_tokens=add_special_tokens)
     if len(p) > max_prompt_len:
       raise ValueError(
-          f"{task_name}: example {i} prompt {ex['prompt']!r} has {len(p)} tokens (with BOS), "
+          f"{task_name}: example {i} prompt {ex['prompt']!r} has {len(p)} tokens, "
           f"longer than the maximum prompt length {max_prompt_len}; raise "
           f"config.sampler.max_prompt_len or drop the example.")
     a = tokenizer.encode(ex["answer"]) + [tokenizer.eos_id]

@@ -1,0 +1,95 @@
+"""Checkpoints of the whole RL state with orbax (params, optimizer, RNG, step, ...).
+
+Layout: WORKDIR/checkpoints/<step>/{state, meta}. orbax writes each step into a temporary
+directory and renames it when complete, so a crash mid-save leaves the previous checkpoint
+as the latest restorable one. `meta` (JSON) records the model architecture and the
+experiment config the state was made with; restoring into a different architecture fails
+with a message instead of a shape error deep inside orbax.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from rlx.model.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+  pass
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+class Checkpointer:
+  """Saves and restores TrainState-like pytrees under WORKDIR/checkpoints."""
+
+  def __init__(self, workdir: str, *, keep: int = 2, async_save: bool = True):
+    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                             enable_async_checkpointing=async_save),
+        item_names=("state", "meta"))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> bool:
+    return self._manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                      meta=ocp.args.JsonSave(meta)), force=force)
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    path = os.path.join(self.directory, str(step), "meta")
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      return dict(out["meta"])
+    except Exception as e:  # orbax raises several types for missing / corrupt items
+      raise CheckpointError(
+          f"Checkpoint {os.path.join(self.directory, str(step))} has no readable metadata "
+          f"({type(e).__name__}: {e}); it was not written by rlx or is corrupt. Move it away "
+          f"or use another --workdir.") from None
+
+  def restore(self, step: int, abstract_state: Any, shardings: Any, model_cfg: ModelConfig,
+              ) -> tuple[Any, dict[str, Any]]:
+    meta = self.read_meta(step)
+    saved = meta.get("model")
+    if saved is not None and saved != model_cfg.to_dict():
+      ours = model_cfg.to_dict()
+      diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {ours.get(k)!r}"
+               for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+      raise CheckpointError(
+          f"The checkpoint at {os.path.join(self.directory, str(step))} holds a different "
+          f"model ({'; '.join(diffs[:4])}). Use a new --workdir, or the config it was made "
+          f"with.")
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_abstract(abstract_state, shardings))))
+    except Exception as e:
+      raise CheckpointError(
+          f"Could not restore the checkpoint at {os.path.join(self.directory, str(step))} "
+          f"({type(e).__name__}: {str(e)[:300]}). It is corrupt or from an incompatible "
+          f"state layout; move it away or use another --workdir.") from None
+    return out["state"], meta
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def save_json(path: str, obj: Any) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True, default=str)
+  os.replace(tmp, path)

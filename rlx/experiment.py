@@ -1,0 +1,181 @@
+"""Builds what an experiment config describes: task data, tokenizer, model and base weights.
+
+Base weights, in order of preference:
+  1. config.model.path: a Hugging Face checkpoint directory (weights + tokenizer).
+  2. config.warm_start.dir: a base checkpoint written by `python -m rlx.sft` (the default
+     experiment ships one in rlx/assets/), used when its task spec matches the config.
+  3. A supervised warm start run now on the task's teacher answers, cached in WORKDIR/base
+     (Hugging Face format), so a rerun or resume does not repeat it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections as mlc
+import numpy as np
+import tensorflow_datasets as tfds
+
+from rlx import configs
+from rlx.data import arithmetic, tasks
+from rlx.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
+from rlx.model import transformer
+from rlx.model.config import ModelConfig
+
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+BASE_META = "rlx_base.json"
+
+
+@dataclasses.dataclass
+class Experiment:
+  config: mlc.ConfigDict
+  tokenizer: Any
+  model_cfg: ModelConfig
+  graphdef: Any
+  base_params: Any
+  train_pool: tasks.PromptPool  # RL prompts (numpy)
+  train_host: tasks.HostExamples
+  eval_pool: tasks.PromptPool
+  eval_host: tasks.HostExamples
+  base_source: str  # where the base weights came from (for the log)
+
+
+def task_spec(config: mlc.ConfigDict) -> arithmetic.ArithmeticSpec:
+  t = config.task
+  if t.name != "arithmetic":
+    raise configs.ConfigError(f"config.task.name={t.name!r}; expected 'arithmetic'.")
+  for op in t.ops:
+    if op not in arithmetic.OPS:
+      raise configs.ConfigError(f"config.task.ops contains {op!r}; expected ops from "
+                                f"{arithmetic.OPS}.")
+  return arithmetic.ArithmeticSpec(
+      ops=tuple(t.ops), levels=tuple(int(l) for l in t.levels),
+      num_train_per_level=t.num_train_per_level, num_eval_per_level=t.num_eval_per_level,
+      seed=t.get("seed", 0), reverse_answer=t.get("reverse_answer", False),
+      teacher_error_levels=tuple(int(l) for l in t.get("teacher_error_levels", ())),
+      teacher_error_rate=float(t.get("teacher_error_rate", 0.0)))
+
+
+def load_task(config: mlc.ConfigDict, data_dir: str) -> tuple[list[dict], list[dict]]:
+  tfds.disable_progress_bar()
+  logging.getLogger("absl").setLevel(logging.ERROR)
+  sources = arithmetic.build(task_spec(config), data_dir)
+  return arithmetic.read_all(sources["train"]), arithmetic.read_all(sources["eval"])
+
+
+def _resolve(path: str) -> str:
+  """Paths starting with 'assets/' are looked up in the package's assets directory."""
+  if path.startswith("assets/"):
+    return os.path.join(ASSETS_DIR, path[len("assets/"):])
+  return os.path.expanduser(path)
+
+
+def read_base_meta(directory: str) -> dict[str, Any] | None:
+  path = os.path.join(directory, BASE_META)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def base_matches(directory: str, config: mlc.ConfigDict) -> tuple[bool, str]:
+  """Whether a warm-start directory was made for this task and model architecture."""
+  meta = read_base_meta(directory)
+  if meta is None:
+    return False, f"{directory} has no {BASE_META}"
+  want = json.loads(json.dumps(dataclasses.asdict(task_spec(config))))
+  got = meta.get("task_spec", {})
+  if got != want:
+    return False, f"{directory} was made for task {got}, the config asks for {want}"
+  arch = json.loads(json.dumps({k: v for k, v in config.model.items() if k != "path"}))
+  if meta.get("model_overrides") != arch:
+    return False, f"{directory} was made for model {meta.get('model_overrides')}, not {arch}"
+  return True, ""
+
+
+def setup(config: mlc.ConfigDict, workdir: str, *, log=print) -> Experiment:
+  """Everything the trainer needs, built (or read from cache) on the host."""
+  from rlx.model import hf  # local import: pulls in the safetensors reader only when needed
+  from rlx import sft
+
+  data_dir = _resolve(config.task.get("data_dir", "") or os.path.join(workdir, "data"))
+  train_ex, eval_ex = load_task(config, data_dir)
+  if not train_ex or not eval_ex:
+    raise configs.ConfigError(
+        f"config.task produced {len(train_ex)} train and {len(eval_ex)} eval examples; "
+        f"expected at least one of each (check task.levels and num_*_per_level).")
+
+  model_path = config.model.get("path", "")
+  warm_dir = _resolve(config.get("warm_start", {}).get("dir", "") or "")
+  base_dir = os.path.join(workdir, "base")
+  source = ""
+  if model_path:
+    if not os.path.isdir(model_path):
+      raise FileNotFoundError(f"config.model.path={model_path!r} is not a directory.")
+    tokenizer = load_tokenizer(config.tokenizer.path or model_path)
+    model_cfg, params = hf.load_hf(model_path, dtype=config.model.get("dtype", "float32"),
+                                   param_dtype=config.model.get("param_dtype", None))
+    source = f"Hugging Face checkpoint {model_path}"
+  else:
+    chosen = None
+    for d in (base_dir, warm_dir):
+      if d and os.path.isdir(d):
+        ok, why = base_matches(d, config)
+        if ok:
+          chosen = d
+          break
+        log(f"[rlx] not using warm start {d}: {why}")
+    if chosen is None:
+      tokenizer = _task_tokenizer(config, train_ex, workdir)
+      model_cfg = configs.model_config(config, tokenizer.vocab_size)
+      t0 = time.time()
+      log(f"[rlx] supervised warm start: {config.sft.steps} steps on the task's teacher "
+          f"answers (cached in {base_dir})")
+      params = sft.train(config, model_cfg, tokenizer, train_ex, eval_ex, log=log)
+      sft.save_base(base_dir, config, model_cfg, params, tokenizer,
+                    extra={"sft_seconds": round(time.time() - t0, 1)})
+      chosen = base_dir
+      source = f"warm start trained now ({time.time() - t0:.0f}s), saved to {base_dir}"
+    else:
+      source = f"warm start {chosen}"
+    tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
+    model_cfg, params = hf.load_hf(chosen, dtype=config.model.get("dtype", "float32"))
+  graphdef = transformer.graphdef_for(model_cfg)
+
+  rl_levels = set(int(l) for l in config.task.rl_levels)
+  rl_ex = [e for e in train_ex if int(e["difficulty"]) in rl_levels]
+  if not rl_ex:
+    raise configs.ConfigError(f"config.task.rl_levels={tuple(config.task.rl_levels)} selects no "
+                              f"training example (task.levels={tuple(config.task.levels)}).")
+  max_p = config.sampler.max_prompt_len
+  max_a = config.sampler.max_new_tokens
+  train_pool, train_host = tasks.tokenize_pool(rl_ex, tokenizer, max_p, max_a,
+                                               task_name=f"{config.task.name} train")
+  eval_pool, eval_host = tasks.tokenize_pool(eval_ex, tokenizer, max_p, max_a,
+                                             task_name=f"{config.task.name} eval")
+  return Experiment(config=config, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
+                    base_params=params, train_pool=train_pool, train_host=train_host,
+                    eval_pool=eval_pool, eval_host=eval_host, base_source=source)
+
+
+def _task_tokenizer(config: mlc.ConfigDict, train_ex: list[dict], workdir: str) -> Tokenizer:
+  if config.tokenizer.path:
+    return load_tokenizer(config.tokenizer.path)
+  path = os.path.join(workdir, "tokenizer.model")
+  if os.path.exists(path):
+    return Tokenizer.load(path)
+  texts = []
+  for e in train_ex:
+    texts.append(e["prompt"] + e["answer"])
+    if e.get("teacher_answer", e["answer"]) != e["answer"]:
+      texts.append(e["prompt"] + e["teacher_answer"])
+  tok = train_sentencepiece(texts, config.tokenizer.vocab_size)
+  os.makedirs(workdir, exist_ok=True)
+  tok.save(path)
+  return tok

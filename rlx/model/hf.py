@@ -1,0 +1,804 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors (never pickle).
+
+  cfg, params = load_hf("/ckpt/Qwen2.5-0.5B-Instruct", dtype="float32", mesh=mesh)
+  save_hf(cfg, params, "/out/my-model", dtype="bfloat16", source_dir="/ckpt/Qwen2.5-0.5B-Instruct")
+
+Supported architectures: Llama (1-3.x, incl. llama3 rope scaling), Qwen2/2.5, Qwen3 (dense),
+Gemma, Gemma 2, Gemma 3 text (`Gemma3ForCausalLM`, and the language model inside
+`Gemma3ForConditionalGeneration`; the vision tower is skipped).
+
+Loading reads one tensor at a time with a small safetensors reader of our own (the format is
+an 8-byte header length, a JSON header and raw little-endian data): bf16 needs no torch, a
+truncated file is caught from its header before anything is read, and host memory stays near
+one tensor. Tensors above `_CHUNK_BYTES` are streamed in row blocks into a donated device
+buffer, so even a 600 MB embedding never exists twice on the host. Writing streams the same
+way (one tensor on the host at a time), with an index file when the checkpoint is sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import json
+import math
+import os
+import shutil
+from typing import Any, Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from rlx import sharding as sharding_lib
+from rlx.model import transformer
+from rlx.model.config import DTYPES, ModelConfig
+
+Params = dict[str, Any]
+
+# architecture -> family; the family decides the config mapping and the tensor names.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
+_EXPORT_ARCHITECTURE = {  # family -> (architecture, model_type) written by save_hf
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+# Hugging Face config-class defaults (identical in transformers 4.5x and 5.x) for keys that
+# real config.json files sometimes omit.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
+                  max_position_embeddings=2048, hidden_act="silu"),
+    "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
+                  max_position_embeddings=32768, hidden_act="silu"),
+    "qwen3": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
+                  max_position_embeddings=32768, hidden_act="silu", head_dim=128),
+    "gemma": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=True,
+                  max_position_embeddings=8192, hidden_act="gelu_pytorch_tanh", head_dim=256),
+    "gemma2": dict(rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=True,
+                   max_position_embeddings=8192, hidden_activation="gelu_pytorch_tanh",
+                   head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # Gemma3ForConditionalGeneration's text_config lists only what differs from these.
+    "gemma3": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                   rope_local_base_freq=10_000.0, tie_word_embeddings=True,
+                   max_position_embeddings=131_072, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+                   attn_logit_softcapping=None, final_logit_softcapping=None),
+}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+# Files that describe the tokenizer / generation defaults, copied by save_hf(source_dir=...).
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "tokenizer.model", "generation_config.json", "chat_template.jinja",
+               "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
+
+_ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
+              "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+_CHUNK_BYTES = 32 * 2**20  # tensors above this are streamed in row blocks
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+# ============================================================================= config mapping
+
+
+def _family_of(hf: Mapping[str, Any]) -> tuple[str, str]:
+  archs = hf.get("architectures") or []
+  for arch in archs:
+    if arch in ARCHITECTURES:
+      return arch, ARCHITECTURES[arch]
+  model_type = hf.get("model_type")
+  if not archs and model_type in _MODEL_TYPES:
+    family = _MODEL_TYPES[model_type]
+    return _EXPORT_ARCHITECTURE[family][0], family
+  got = archs or [f"model_type={model_type!r}"]
+  raise ValueError(f"Unsupported architecture {got}; supported architectures are "
+                   f"{sorted(ARCHITECTURES)}.")
+
+
+def _rope(params: Mapping[str, Any] | None, theta_default: float, where: str) -> dict[str, Any]:
+  """A Hugging Face rope dict (new `rope_parameters` or old `rope_scaling`) -> ModelConfig fields."""
+  params = dict(params or {})
+  rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+  out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", theta_default))}
+  if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise ValueError(f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not "
+                     "supported (rlx rotates the whole head).")
+  if rope_type == "default":
+    out["rope_scaling"] = "none"
+  elif rope_type == "linear":
+    out.update(rope_scaling="linear", rope_scaling_factor=float(params["factor"]))
+  elif rope_type == "llama3":
+    out.update(rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
+               rope_low_freq_factor=float(params["low_freq_factor"]),
+               rope_high_freq_factor=float(params["high_freq_factor"]),
+               rope_original_max_position=int(params["original_max_position_embeddings"]))
+  else:
+    raise ValueError(f"{where}: rope type {rope_type!r} is not supported; supported rope types "
+                     "are 'default', 'linear' and 'llama3'.")
+  return out
+
+
+def _layer_types(family: str, c: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+  """Per-layer 'sliding' / 'global', following each family's Hugging Face rule."""
+  if family in ("llama", "gemma"):
+    return ()
+  if family in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+    return ()
+  if c.get("sliding_window") is None:
+    return ()
+  hf_types = c.get("layer_types")
+  if hf_types is None:
+    if family == "gemma2":  # even layers slide
+      hf_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                  for i in range(num_layers)]
+    elif family == "gemma3":
+      pattern = int(c.get("sliding_window_pattern", 6))
+      hf_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                  for i in range(num_layers)]
+    else:  # qwen: layers from max_window_layers on slide
+      first = int(c.get("max_window_layers", num_layers))
+      hf_types = ["sliding_attention" if i >= first else "full_attention"
+                  for i in range(num_layers)]
+  names = {"sliding_attention": "sliding", "full_attention": "global"}
+  bad = sorted(set(hf_types) - set(names))
+  if bad or len(hf_types) != num_layers:
+    raise ValueError(f"config.json layer_types={list(hf_types)}: expected {num_layers} entries "
+                     "of 'sliding_attention' / 'full_attention'.")
+  types = tuple(names[t] for t in hf_types)
+  return types if "sliding" in types else ()
+
+
+def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32",
+                   param_dtype: str | None = None) -> ModelConfig:
+  """Maps a Hugging Face config.json dict (transformers 4.5x or 5.x) to a ModelConfig."""
+  arch, family = _family_of(hf_config)
+  c = dict(hf_config)
+  if arch == "Gemma3ForConditionalGeneration" or (
+      family == "gemma3" and "text_config" in c and "hidden_size" not in c):
+    text = dict(c.get("text_config") or {})
+    text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", True))
+    c = text
+  c = {**_DEFAULTS[family], **{k: v for k, v in c.items() if v is not None or k in (
+      "sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}}
+
+  def need(key):
+    if key not in c:
+      raise ValueError(f"config.json ({arch}) has no {key!r}.")
+    return c[key]
+
+  if c.get("use_bidirectional_attention"):
+    raise ValueError(f"config.json ({arch}): use_bidirectional_attention=True is not supported "
+                     "(rlx models are causal).")
+  if c.get("mlp_bias") or (family in ("llama", "qwen3", "gemma", "gemma2", "gemma3")
+                           and c.get("attention_bias")):
+    raise ValueError(f"config.json ({arch}): attention_bias / mlp_bias are not supported "
+                     "(rlx has q/k/v biases only, as in Qwen2).")
+  act_key = "hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act"
+  act = c.get(act_key) or c.get("hidden_act")
+  if family == "gemma" and act == "gelu":  # old Gemma configs; HF means the tanh approximation
+    act = "gelu_pytorch_tanh"
+  if act not in _ACTIVATIONS:
+    raise ValueError(f"config.json ({arch}): {act_key}={act!r} is not supported; supported "
+                     f"activations are {sorted(_ACTIVATIONS)}.")
+
+  num_layers = int(need("num_hidden_layers"))
+  num_heads = int(need("num_attention_heads"))
+  d_model = int(need("hidden_size"))
+  head_dim = c.get("head_dim") or d_model // num_heads
+  layer_types = _layer_types(family, c, num_layers)
+
+  # Rope: transformers 5 writes `rope_parameters` (nested per layer type for Gemma 3);
+  # older files have top-level rope_theta / rope_scaling / rope_local_base_freq.
+  rp = c.get("rope_parameters")
+  rope_local_theta = None
+  if family == "gemma3":
+    rp = rp or {}
+    full = rp.get("full_attention") if "full_attention" in rp else (
+        rp or c.get("rope_scaling"))
+    rope = _rope(full, c["rope_theta"], f"config.json ({arch}) full_attention rope")
+    sliding = rp.get("sliding_attention") or {}
+    local = _rope(sliding, c["rope_local_base_freq"],
+                  f"config.json ({arch}) sliding_attention rope")
+    if local["rope_scaling"] != "none":
+      raise ValueError(f"config.json ({arch}): rope scaling on sliding layers is not supported.")
+    rope_local_theta = local["rope_theta"]
+  else:
+    rope = _rope(rp if rp else c.get("rope_scaling"), c["rope_theta"], f"config.json ({arch})")
+
+  is_gemma = family.startswith("gemma")
+  qpas = c.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3") else None
+  return ModelConfig(
+      vocab_size=int(need("vocab_size")),
+      num_layers=num_layers,
+      d_model=d_model,
+      num_heads=num_heads,
+      num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
+      head_dim=int(head_dim),
+      mlp_dim=int(need("intermediate_size")),
+      activation=_ACTIVATIONS[act],
+      norm_eps=float(c["rms_norm_eps"]),
+      norm_plus_one=is_gemma,
+      qkv_bias=family == "qwen2",
+      qk_norm=family in ("qwen3", "gemma3"),
+      post_attn_norm=family in ("gemma2", "gemma3"),
+      post_mlp_norm=family in ("gemma2", "gemma3"),
+      tie_embeddings=bool(c["tie_word_embeddings"]),
+      embed_scale=is_gemma,
+      query_pre_attn_scalar=float(qpas) if qpas else None,
+      attn_logit_softcap=(float(c["attn_logit_softcapping"])
+                          if c.get("attn_logit_softcapping") else None),
+      final_logit_softcap=(float(c["final_logit_softcapping"])
+                           if c.get("final_logit_softcapping") else None),
+      sliding_window=int(c["sliding_window"]) if layer_types else None,
+      layer_types=layer_types,
+      rope_local_theta=rope_local_theta if layer_types else None,
+      max_position=int(c["max_position_embeddings"]),
+      dtype=dtype,
+      param_dtype=param_dtype or dtype,
+      **rope,
+  )
+
+
+def infer_family(cfg: ModelConfig) -> str:
+  """The Hugging Face family whose switches match cfg (used when exporting)."""
+  if cfg.norm_plus_one:
+    if cfg.post_attn_norm or cfg.post_mlp_norm:
+      return "gemma3" if cfg.qk_norm else "gemma2"
+    return "gemma"
+  if cfg.qkv_bias:
+    return "qwen2"
+  if cfg.qk_norm:
+    return "qwen3"
+  return "llama"
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  out: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_scaling == "linear":
+    out.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+  elif cfg.rope_scaling == "llama3":
+    out.update(rope_type="llama3", factor=cfg.rope_scaling_factor,
+               low_freq_factor=cfg.rope_low_freq_factor,
+               high_freq_factor=cfg.rope_high_freq_factor,
+               original_max_position_embeddings=cfg.rope_original_max_position)
+  return out
+
+
+def config_to_hf(cfg: ModelConfig, architecture: str | None = None,
+                 dtype: str | None = None) -> dict[str, Any]:
+  """ModelConfig -> config.json dict that transformers 5 (and 4.5x) loads unchanged.
+
+  Raises ValueError when the architecture cannot express cfg (checked by mapping back).
+  """
+  if architecture is None:
+    family = infer_family(cfg)
+    architecture = _EXPORT_ARCHITECTURE[family][0]
+  elif architecture not in ARCHITECTURES:
+    raise ValueError(f"Unsupported architecture {architecture!r}; supported architectures are "
+                     f"{sorted(ARCHITECTURES)}.")
+  family = ARCHITECTURES[architecture]
+  architecture, model_type = _EXPORT_ARCHITECTURE[family]  # text-only export for Gemma 3
+  dtype = dtype or cfg.param_dtype
+  hf: dict[str, Any] = {
+      "architectures": [architecture],
+      "model_type": model_type,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.norm_eps,
+      "max_position_embeddings": cfg.max_position,
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "dtype": dtype,
+      "torch_dtype": dtype,  # transformers 4.x name
+  }
+  act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.activation]
+  hf["hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act"] = act
+  if family in ("llama", "qwen3", "gemma", "gemma2", "gemma3"):
+    hf["attention_bias"] = False
+  if family == "llama":
+    hf["mlp_bias"] = False
+  hf_types = [("sliding_attention" if cfg.is_sliding(i) else "full_attention")
+              for i in range(cfg.num_layers)]
+  sliding = bool(cfg.layer_types) and "sliding" in cfg.layer_types
+  if family in ("qwen2", "qwen3"):
+    first = hf_types.index("sliding_attention") if sliding else cfg.num_layers
+    hf.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
+              max_window_layers=first, layer_types=hf_types)
+  if family in ("gemma2", "gemma3"):
+    qpas = cfg.query_pre_attn_scalar or cfg.head_dim
+    hf.update(query_pre_attn_scalar=int(qpas) if float(qpas).is_integer() else qpas,  # HF: int
+              attn_logit_softcapping=cfg.attn_logit_softcap,
+              final_logit_softcapping=cfg.final_logit_softcap,
+              sliding_window=cfg.sliding_window if sliding else None,
+              layer_types=hf_types)
+  rope = _rope_to_hf(cfg)
+  if family == "gemma3":
+    local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    hf["rope_parameters"] = {"full_attention": rope,
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": local_theta}}
+    hf["rope_theta"] = cfg.rope_theta  # transformers 4.x names
+    hf["rope_local_base_freq"] = local_theta
+    hf["rope_scaling"] = ({k: v for k, v in rope.items() if k != "rope_theta"}
+                          if cfg.rope_scaling != "none" else None)
+  else:
+    hf["rope_parameters"] = rope
+    hf["rope_theta"] = cfg.rope_theta
+    hf["rope_scaling"] = ({k: v for k, v in rope.items() if k != "rope_theta"}
+                          if cfg.rope_scaling != "none" else None)
+
+  back = config_from_hf(hf, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  diff = _config_diff(_canonical(cfg), _canonical(back))
+  if diff:
+    raise ValueError(f"{architecture} cannot express this ModelConfig: fields {diff} would "
+                     f"change on export; pass another architecture (supported: "
+                     f"{sorted(_EXPORT_ARCHITECTURE[f][0] for f in _EXPORT_ARCHITECTURE)}).")
+  return hf
+
+
+def _canonical(cfg: ModelConfig) -> ModelConfig:
+  """Drops settings that cannot affect the computation, so equal models compare equal."""
+  default = ModelConfig(vocab_size=1, num_layers=1, d_model=1, num_heads=1, num_kv_heads=1,
+                        head_dim=1, mlp_dim=1)
+  kw: dict[str, Any] = {}
+  if cfg.rope_scaling == "none":
+    kw.update(rope_scaling_factor=1.0)
+  if cfg.rope_scaling != "llama3":
+    kw.update(rope_low_freq_factor=default.rope_low_freq_factor,
+              rope_high_freq_factor=default.rope_high_freq_factor,
+              rope_original_max_position=default.rope_original_max_position)
+  sliding = bool(cfg.layer_types) and "sliding" in cfg.layer_types
+  if not sliding:
+    kw.update(layer_types=(), sliding_window=None, rope_local_theta=None)
+  elif cfg.rope_local_theta == cfg.rope_theta and cfg.rope_scaling == "none":
+    kw.update(rope_local_theta=None)
+  if cfg.query_pre_attn_scalar == cfg.head_dim:
+    kw.update(query_pre_attn_scalar=None)
+  return dataclasses.replace(cfg, **kw)
+
+
+def _config_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+  return [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+
+
+# ============================================================================= tensor names
+
+
+def _param_paths(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+  """rlx param path ('layer_0/attn/q_proj') -> (shape, dtype) from the model itself."""
+  _, abstract = transformer.abstract_params(cfg)
+  return {sharding_lib.path_str(p): (tuple(x.shape), str(x.dtype))
+          for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
+def hf_name(cfg: ModelConfig, path: str) -> tuple[str, bool]:
+  """rlx param path -> (Hugging Face tensor name, whether the tensor is transposed)."""
+  gemma_norms = cfg.post_attn_norm or cfg.post_mlp_norm
+  if path == "embedding":
+    return "model.embed_tokens.weight", False
+  if path == "lm_head":
+    return "lm_head.weight", True
+  if path == "final_norm/scale":
+    return "model.norm.weight", False
+  layer, rest = path.split("/", 1)
+  prefix = f"model.layers.{int(layer[len('layer_'):])}."
+  table = {
+      "input_norm/scale": ("input_layernorm.weight", False),
+      "post_attn_norm/scale": ("post_attention_layernorm.weight", False),
+      "pre_mlp_norm/scale": (("pre_feedforward_layernorm.weight" if gemma_norms
+                              else "post_attention_layernorm.weight"), False),
+      "post_mlp_norm/scale": ("post_feedforward_layernorm.weight", False),
+      "attn/q_norm/scale": ("self_attn.q_norm.weight", False),
+      "attn/k_norm/scale": ("self_attn.k_norm.weight", False),
+  }
+  if rest in table:
+    name, transposed = table[rest]
+    return prefix + name, transposed
+  module, leaf = rest.split("/")
+  hf_module = {"attn": "self_attn", "mlp": "mlp"}[module]
+  if leaf.endswith("_bias"):
+    return f"{prefix}{hf_module}.{leaf[:-len('_bias')]}_proj.bias", False
+  return f"{prefix}{hf_module}.{leaf}.weight", True
+
+
+def _normalize_name(name: str) -> str | None:
+  """Checkpoint tensor name -> canonical causal-LM name; None for tensors rlx ignores."""
+  for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                   ("language_model.lm_head.", "lm_head.")):
+    if name.startswith(old):
+      return new + name[len(old):]
+  if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                      "model.multi_modal_projector.")):
+    return None  # Gemma 3 multimodal: text only
+  if name.endswith("rotary_emb.inv_freq"):
+    return None  # a buffer some old checkpoints saved
+  return name
+
+
+# ============================================================================= safetensors io
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+  file: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  offset: int  # absolute byte offset in the file
+  nbytes: int
+
+
+def _read_header(path: str) -> dict[str, _TensorInfo]:
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    raw = f.read(8)
+    if len(raw) < 8:
+      raise ValueError(f"Checkpoint file {path} is truncated ({size} bytes): no safetensors header.")
+    n = int.from_bytes(raw, "little")
+    if n > min(size - 8, _MAX_HEADER_BYTES):
+      raise ValueError(f"Checkpoint file {path} is truncated or not a safetensors file: header "
+                       f"length {n} does not fit in the file's {size} bytes.")
+    try:
+      header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise ValueError(f"Checkpoint file {path} has a corrupt safetensors header ({e}).") from e
+  header.pop("__metadata__", None)
+  out = {}
+  end_max = 0
+  for name, meta in header.items():
+    dtype = meta.get("dtype")
+    if dtype not in _ST_DTYPES:
+      raise ValueError(f"Tensor {name!r} in {path} has dtype {dtype}; supported dtypes are "
+                       f"{sorted(_ST_DTYPES)}.")
+    shape = tuple(int(s) for s in meta["shape"])
+    begin, end = (int(x) for x in meta["data_offsets"])
+    nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+    if end - begin != nbytes:
+      raise ValueError(f"Tensor {name!r} in {path}: data_offsets {begin}..{end} hold "
+                       f"{end - begin} bytes, but {dtype}{list(shape)} needs {nbytes}.")
+    out[name] = _TensorInfo(path, _ST_DTYPES[dtype], shape, 8 + n + begin, nbytes)
+    end_max = max(end_max, end)
+  if 8 + n + end_max > size:
+    raise ValueError(f"Checkpoint file {path} is truncated: its header describes "
+                     f"{8 + n + end_max} bytes of data, but the file has {size}.")
+  return out
+
+
+def _read_rows(f, info: _TensorInfo, start: int, stop: int) -> np.ndarray:
+  """Rows [start, stop) of the tensor's leading axis, as a fresh array in the file's dtype."""
+  row_elems = math.prod(info.shape[1:])
+  buf = np.empty((stop - start) * row_elems * info.dtype.itemsize, np.uint8)
+  f.seek(info.offset + start * row_elems * info.dtype.itemsize)
+  if f.readinto(buf) != buf.size:
+    raise ValueError(f"Checkpoint file {info.file} is truncated.")
+  return buf.view(info.dtype).reshape((stop - start,) + info.shape[1:])
+
+
+def _find_checkpoint(path: str) -> dict[str, _TensorInfo]:
+  """All tensors of a checkpoint directory: name -> where to read it."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist.")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path!r} is a file; load_hf expects a Hugging Face model directory "
+                            "(config.json + *.safetensors).")
+  index = os.path.join(path, "model.safetensors.index.json")
+  single = os.path.join(path, "model.safetensors")
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map", {})
+    tensors: dict[str, _TensorInfo] = {}
+    headers: dict[str, dict[str, _TensorInfo]] = {}
+    for name, file in weight_map.items():
+      if file not in headers:
+        fpath = os.path.join(path, file)
+        if not os.path.exists(fpath):
+          raise FileNotFoundError(f"Shard {file!r} listed in {index} does not exist.")
+        headers[file] = _read_header(fpath)
+      if name not in headers[file]:
+        raise ValueError(f"Tensor {name!r} is listed in {index} under {file!r}, but that file "
+                         "does not contain it.")
+      tensors[name] = headers[file][name]
+    return tensors
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if os.path.exists(single):
+    return _read_header(single)
+  if len(files) == 1:
+    return _read_header(files[0])
+  if files:
+    raise ValueError(f"{path} holds {len(files)} safetensors files but no "
+                     "model.safetensors.index.json saying which tensor lives where.")
+  pickles = [os.path.basename(p) for p in glob.glob(os.path.join(path, "*.bin"))
+             + glob.glob(os.path.join(path, "*.pt")) + glob.glob(os.path.join(path, "*.pth"))]
+  if pickles:
+    raise ValueError(
+        f"{path} has only PyTorch pickle weights ({sorted(pickles)}); rlx reads safetensors only "
+        "and never unpickles. Convert once with transformers: AutoModelForCausalLM."
+        "from_pretrained(dir).save_pretrained(out_dir, safe_serialization=True).")
+  raise FileNotFoundError(f"{path} has no model.safetensors (or sharded *.safetensors with "
+                          "model.safetensors.index.json).")
+
+
+def read_config(path: str) -> dict[str, Any]:
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist.")
+  if not os.path.exists(cfg_path):
+    raise FileNotFoundError(f"{path} has no config.json.")
+  with open(cfg_path) as f:
+    return json.load(f)
+
+
+# ============================================================================= loading
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, dtype, sharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _update_fn(sharding):
+  # Donated: the block is written in place, so the tensor is never held twice.
+  return jax.jit(lambda buf, block, start: jax.lax.dynamic_update_slice(buf, block, start),
+                 donate_argnums=0, out_shardings=sharding)
+
+
+def _load_tensor(f, info: _TensorInfo, transposed: bool, dtype: np.dtype,
+                 sharding) -> jax.Array:
+  shape = info.shape[::-1] if transposed else info.shape
+  rows = info.shape[0]  # every rlx parameter is a vector or a matrix
+  row_bytes = math.prod(info.shape[1:]) * dtype.itemsize
+  if rows * row_bytes <= _CHUNK_BYTES or len(info.shape) != 2:
+    host = _read_rows(f, info, 0, rows).astype(dtype, copy=False)
+    out = jax.device_put(host.T if transposed else host, sharding)
+    out.block_until_ready()  # so `host` can be freed now
+    return out
+  buf = _zeros_fn(shape, dtype, sharding)()
+  step = max(1, _CHUNK_BYTES // row_bytes)
+  update = _update_fn(sharding)
+  for start in range(0, rows, step):
+    block = _read_rows(f, info, start, min(rows, start + step)).astype(dtype, copy=False)
+    buf = update(buf, block.T if transposed else block, (0, start) if transposed else (start, 0))
+    buf.block_until_ready()
+  return buf
+
+
+def load_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+            mesh: jax.sharding.Mesh | None = None, rules=None) -> tuple[ModelConfig, Params]:
+  """Reads a Hugging Face model directory into (ModelConfig, params).
+
+  dtype is the activation dtype (ModelConfig.dtype); params are stored in param_dtype
+  (default: dtype). With a mesh, every parameter is placed with the sharding that
+  `rlx.sharding.param_shardings(rules)` gives it; otherwise on the first device.
+  """
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype or dtype)):
+    if value not in DTYPES:
+      raise ValueError(f"load_hf: {name}={value!r}, expected one of {tuple(DTYPES)}.")
+  cfg = config_from_hf(read_config(path), dtype=dtype, param_dtype=param_dtype)
+  tensors = _find_checkpoint(path)
+  by_name = {}
+  for name, info in tensors.items():
+    canon = _normalize_name(name)
+    if canon is not None:
+      by_name[canon] = info
+  if cfg.tie_embeddings:
+    by_name.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+
+  expected = _param_paths(cfg)
+  names = {p: hf_name(cfg, p) for p in expected}
+  missing = sorted(n for n, _ in names.values() if n not in by_name)
+  unexpected = sorted(set(by_name) - {n for n, _ in names.values()})
+  if missing or unexpected:
+    parts = []
+    if missing:
+      parts.append(f"missing tensors {_short(missing)}")
+    if unexpected:
+      parts.append(f"unexpected tensors {_short(unexpected)}")
+    raise ValueError(f"Checkpoint {path} does not match its config.json "
+                     f"({_family_of(read_config(path))[0]}): " + "; ".join(parts) + ".")
+  for p, (shape, _) in expected.items():
+    name, transposed = names[p]
+    want = shape[::-1] if transposed else shape
+    got = by_name[name].shape
+    if got != want:
+      raise ValueError(f"Tensor {name!r} in {by_name[name].file} has shape {list(got)}, but "
+                       f"config.json implies {list(want)}.")
+
+  if mesh is not None:
+    _, abstract = transformer.abstract_params(cfg)
+    shardings = {sharding_lib.path_str(k): s for k, s in jax.tree_util.tree_flatten_with_path(
+        sharding_lib.param_shardings(abstract, mesh, rules or sharding_lib.DEFAULT_RULES))[0]}
+  else:
+    single = SingleDeviceSharding(jax.devices()[0])
+    shardings = {p: single for p in expected}
+
+  np_dtype = np.dtype(cfg.weight_dtype)
+  flat: dict[str, jax.Array] = {}
+  handles: dict[str, Any] = {}
+  try:
+    for p in expected:
+      name, transposed = names[p]
+      info = by_name[name]
+      if info.file not in handles:
+        handles[info.file] = open(info.file, "rb")
+      flat[p] = _load_tensor(handles[info.file], info, transposed, np_dtype, shardings[p])
+  finally:
+    for h in handles.values():
+      h.close()
+  return cfg, _unflatten(flat)
+
+
+def _short(names: list[str], k: int = 6) -> str:
+  more = f" and {len(names) - k} more" if len(names) > k else ""
+  return str(names[:k]) + more
+
+
+def _unflatten(flat: Mapping[str, Any]) -> Params:
+  out: Params = {}
+  for path, value in flat.items():
+    node = out
+    *parents, leaf = path.split("/")
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[leaf] = value
+  return out
+
+
+# ============================================================================= saving
+
+
+def _flatten(params: Params, prefix: str = "") -> Iterator[tuple[str, Any]]:
+  for key in sorted(params):
+    value = params[key]
+    path = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      yield from _flatten(value, path + "/")
+    else:
+      yield path, value
+
+
+def _to_host(x) -> np.ndarray:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
+def save_hf(cfg: ModelConfig, params: Params, out_dir: str, *, architecture: str | None = None,
+            dtype: str | None = None, max_shard_bytes: int = 5 * 10**9,
+            source_dir: str | None = None) -> None:
+  """Writes config.json + safetensors that `AutoModelForCausalLM.from_pretrained` loads.
+
+  architecture: default inferred from cfg's switches (see `infer_family`). dtype: tensor
+  dtype in the files (default cfg.param_dtype). Above max_shard_bytes the weights are split
+  into model-0000i-of-0000n.safetensors plus model.safetensors.index.json. source_dir: a
+  Hugging Face directory whose tokenizer / generation files and token ids are carried over.
+  In multi-process runs every process must call this; only process 0 writes.
+  """
+  dtype = dtype or cfg.param_dtype
+  if dtype not in DTYPES:
+    raise ValueError(f"save_hf: dtype={dtype!r}, expected one of {tuple(DTYPES)}.")
+  hf_cfg = config_to_hf(cfg, architecture, dtype)
+  np_dtype = np.dtype(DTYPES[dtype])
+  expected = _param_paths(cfg)
+  flat = dict(_flatten(params))
+  if set(flat) != set(expected):
+    raise ValueError(f"params do not match cfg: missing {_short(sorted(set(expected) - set(flat)))}"
+                     f", unexpected {_short(sorted(set(flat) - set(expected)))}.")
+  entries = []  # (hf name, rlx path, transposed, hf shape)
+  for p, (shape, _) in expected.items():
+    if tuple(flat[p].shape) != shape:
+      raise ValueError(f"param {p!r} has shape {list(flat[p].shape)}, cfg implies {list(shape)}.")
+    name, transposed = hf_name(cfg, p)
+    entries.append((name, p, transposed, shape[::-1] if transposed else shape))
+  entries.sort()
+
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(out_dir, exist_ok=True)
+    if source_dir is not None and os.path.abspath(source_dir) != os.path.abspath(out_dir):
+      src_cfg = read_config(source_dir)
+      for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in src_cfg:
+          hf_cfg[key] = src_cfg[key]
+      for name in _SIDE_FILES:
+        if os.path.exists(os.path.join(source_dir, name)):
+          shutil.copyfile(os.path.join(source_dir, name), os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+      json.dump(hf_cfg, f, indent=2, sort_keys=True)
+  paths = {name: (p, transposed) for name, p, transposed, _ in entries}
+
+  def fetch(name):
+    p, transposed = paths[name]
+    host = _to_host(flat[p])  # every process takes part in the gather
+    return host.T if transposed else host
+
+  write_safetensors(out_dir, [(e[0], e[3]) for e in entries], fetch, dtype=np_dtype,
+                    max_shard_bytes=max_shard_bytes, write=writer)
+
+
+def write_safetensors(out_dir: str, tensors: list[tuple[str, tuple[int, ...]]],
+                      fetch: Callable[[str], np.ndarray], *, dtype: np.dtype,
+                      max_shard_bytes: int = 5 * 10**9, write: bool = True) -> int:
+  """Streams tensors into model.safetensors (or shards + index), one tensor on the host at a time.
+
+  tensors: (name, shape) in file order; fetch(name) returns the array (any float dtype; cast
+  to dtype here). Returns the bytes of tensor data written. With write=False only fetch is
+  called (multi-process runs, where every process must join the gathers).
+  """
+  dtype = np.dtype(dtype)
+  shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+  size = 0
+  for name, shape in tensors:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, tuple(shape)))
+    size += nbytes
+  if write:
+    os.makedirs(out_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(
+        os.path.join(out_dir, "model.safetensors.index.json")):
+      os.remove(stale)
+  n = len(shards)
+  weight_map = {}
+  total = 0
+  for i, shard in enumerate(shards):
+    fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shard:
+      nbytes = math.prod(shape) * dtype.itemsize
+      header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
+                      "data_offsets": [offset, offset + nbytes]}
+      offset += nbytes
+      weight_map[name] = fname
+    total += offset
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    tmp = os.path.join(out_dir, fname + ".tmp")
+    f = open(tmp, "wb") if write else None
+    try:
+      if f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+      for name, shape in shard:
+        host = np.asarray(fetch(name))
+        if tuple(host.shape) != shape:
+          raise ValueError(f"Tensor {name!r} has shape {list(host.shape)}, expected {list(shape)}.")
+        if f:
+          data = np.ascontiguousarray(host.astype(dtype, copy=False)).reshape(-1)
+          f.write(memoryview(data.view(np.uint8)))  # no bytes copy of the tensor
+        del host
+    finally:
+      if f:
+        f.close()
+    if write:
+      os.replace(tmp, os.path.join(out_dir, fname))
+  if write and n > 1:
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                sort_keys=True)
+  return total
