@@ -14,6 +14,7 @@ INSTALL_REQUIRES = [
     "absl-py>=2.1",
     "tqdm>=4.66",
     "numpy>=1.26",
+    "importlib_resources",  # needed by tensorflow-datasets (etils) without tensorflow
     "safetensors>=0.4",  # Hugging Face weights in and out (rlx.model.hf); never pickle
     "tokenizers>=0.20",  # tokenizer.json (rlx.data.tokenizer)
     "jinja2>=3.1.6",  # chat templates, rendered as transformers does (>=3.1.6: sandbox fixes)

@@ -85,6 +85,30 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
   c.rl.is_mode = "truncate"
   c.rl.ratio_level = "token"
 
+  # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
+  c.selection = mlc.ConfigDict()
+  c.selection.mode = "uniform"  # uniform | band | history | skip
+  c.selection.ema = 0.5
+  c.selection.floor = 0.05
+  c.selection.history_cooldown = 50
+  c.selection.skip_keep_base = 0.25
+  c.selection.dynamic_filter = False  # DAPO dynamic sampling
+  c.selection.oversample = 2
+
+  c.replay = mlc.ConfigDict()
+  c.replay.enabled = False
+  c.replay.capacity = 1024
+  c.replay.num_samples = 64
+  c.replay.max_staleness = 4
+  c.replay.max_reuse = 2
+  c.replay.priority = "abs_adv"  # abs_adv | recency | uniform
+
+  c.length = mlc.ConfigDict()
+  c.length.overlong_shaping = False
+  c.length.overlong_buffer = 2
+  c.length.overlong_penalty = 1.0
+  c.length.overlong_filter = False
+
   c.sampler = mlc.ConfigDict()
   c.sampler.impl = "dense"
   c.sampler.max_prompt_len = 16

@@ -62,8 +62,8 @@ class Checkpointer:
               ) -> tuple[Any, dict[str, Any]]:
     meta = self.read_meta(step)
     saved = meta.get("model")
-    if saved is not None and saved != model_cfg.to_dict():
-      ours = model_cfg.to_dict()
+    ours = json.loads(json.dumps(model_cfg.to_dict()))  # tuples -> lists, as stored
+    if saved is not None and saved != ours:
       diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {ours.get(k)!r}"
                for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
       raise CheckpointError(

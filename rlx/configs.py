@@ -13,7 +13,10 @@ import ml_collections as mlc
 
 from rlx.model.config import ModelConfig
 from rlx.rl import advantages as adv_lib
+from rlx.rl.length import LengthConfig
 from rlx.rl.loss import LossConfig
+from rlx.rl.replay import ReplayConfig
+from rlx.rl.selection import SelectionConfig
 from rlx.sampler.sampling import SamplingParams
 
 SAMPLER_IMPLS = ("dense", "paged")
@@ -51,9 +54,21 @@ def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
         f"config.rl.group_size={rl.group_size}: advantage '{rl.advantage}' normalises rewards "
         f"within a group, so group_size must be >= 2.")
   batch = rl.prompts_per_step * rl.group_size
-  _need(batch % rl.num_minibatches == 0,
-        f"config.rl.prompts_per_step * config.rl.group_size = {batch} rollouts do not split "
-        f"into config.rl.num_minibatches={rl.num_minibatches} equal minibatches.")
+  replay = replay_config(config)
+  train_batch = batch + (replay.num_samples if replay else 0)
+  _need(train_batch % rl.num_minibatches == 0,
+        f"the training batch of {train_batch} rows (prompts_per_step * group_size"
+        f"{' + replay.num_samples' if replay else ''}) does not split into "
+        f"config.rl.num_minibatches={rl.num_minibatches} equal minibatches.")
+  if replay:
+    _need(replay.num_samples % num_batch_devices == 0,
+          f"config.replay.num_samples={replay.num_samples} must be a multiple of the "
+          f"{num_batch_devices} data-parallel devices.")
+    _need(replay.capacity % num_batch_devices == 0,
+          f"config.replay.capacity={replay.capacity} must be a multiple of the "
+          f"{num_batch_devices} data-parallel devices (the ring is split over them).")
+  selection_config(config)
+  length_config(config)
   _need(batch % num_batch_devices == 0,
         f"config.rl.prompts_per_step * config.rl.group_size = {batch} rollouts cannot be split "
         f"over the {num_batch_devices} data-parallel devices (mesh data x fsdp); use a "
@@ -76,6 +91,34 @@ def loss_config(config: mlc.ConfigDict) -> LossConfig:
                       is_mode=rl.is_mode, ratio_level=rl.ratio_level)
   except ValueError as e:
     raise ConfigError(f"config.rl: {e}") from None
+
+
+def _section(config: mlc.ConfigDict, name: str) -> dict:
+  return dict(config[name]) if name in config else {}
+
+
+def selection_config(config: mlc.ConfigDict) -> SelectionConfig:
+  try:
+    return SelectionConfig(**_section(config, "selection"))
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.selection: {e}") from None
+
+
+def replay_config(config: mlc.ConfigDict) -> ReplayConfig | None:
+  fields = _section(config, "replay")
+  if not fields.pop("enabled", False):
+    return None
+  try:
+    return ReplayConfig(**fields)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.replay: {e}") from None
+
+
+def length_config(config: mlc.ConfigDict) -> LengthConfig:
+  try:
+    return LengthConfig(**_section(config, "length"))
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.length: {e}") from None
 
 
 def sampling_params(config: mlc.ConfigDict, *, eos_id: int, pad_id: int,

@@ -99,8 +99,13 @@ def base_matches(directory: str, config: mlc.ConfigDict) -> tuple[bool, str]:
   return True, ""
 
 
-def setup(config: mlc.ConfigDict, workdir: str, *, log=print) -> Experiment:
-  """Everything the trainer needs, built (or read from cache) on the host."""
+def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
+          resuming: bool = False) -> Experiment:
+  """Everything the trainer needs, built (or read from cache) on the host.
+
+  resuming: the workdir holds checkpoints; its cached base model must then match the config
+  (otherwise the run would silently continue from a different starting point).
+  """
   from rlx.model import hf  # local import: pulls in the safetensors reader only when needed
   from rlx import sft
 
@@ -130,6 +135,11 @@ def setup(config: mlc.ConfigDict, workdir: str, *, log=print) -> Experiment:
         if ok:
           chosen = d
           break
+        if d == base_dir and resuming:
+          from rlx.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+          raise CheckpointError(
+              f"--workdir={workdir} holds a run made with another task or model ({why}). Use "
+              f"a new --workdir, or the config it was made with.")
         log(f"[rlx] not using warm start {d}: {why}")
     if chosen is None:
       tokenizer = _task_tokenizer(config, train_ex, workdir)

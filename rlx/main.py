@@ -3,25 +3,62 @@ r"""rlx command line: train an experiment config.
   python -m rlx.main --config=experiments/arith.py --workdir=/tmp/rlx_arith
   python -m rlx.main --config=experiments/arith.py:runlocal --workdir=/tmp/rlx_local \
       --config.rl.group_size=8
+
+A mistake in a config or a flag exits at once with one line `rlx: error: ...` (status 2).
 """
+
+import os
+import re
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlx import trainer
+from rlx import checkpoint, configs, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
 flags.mark_flags_as_required(["config", "workdir"])
 
+# Raised for bad configs, data, checkpoints or paths; each carries a one-line explanation.
+USER_ERRORS = (configs.ConfigError, checkpoint.CheckpointError, FileNotFoundError,
+               PermissionError, ValueError)
+
+
+def fail(message: str):
+  print(f"rlx: error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except AttributeError as e:  # ml_collections: an unknown key, often with "Did you mean"
+    text = str(e)
+    overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+    hint = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', text)
+    if hint:
+      bad = next((o for o in overrides if o.endswith("." + hint.group(2))), hint.group(2))
+      fail(f"unknown config key {bad}; did you mean "
+           f"{bad[:-len(hint.group(2))] + hint.group(1)}?")
+    name = text.strip().strip("'\"")
+    bad = [o for o in overrides if o.endswith("." + name)] or overrides
+    fail(f"unknown config key {', '.join(bad)}; see the experiment file for valid keys.")
+  except flags.Error as e:
+    fail(str(e))
+
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments {argv[1:]}; configs are set with "
-                         f"--config.key=value.")
-  trainer.run(_CONFIG.value, _WORKDIR.value)
+    fail(f"unexpected arguments {argv[1:]}; configs are set with --config.key=value.")
+  try:
+    trainer.run(_CONFIG.value, _WORKDIR.value)
+  except USER_ERRORS as e:
+    if os.environ.get("RLX_TRACEBACK"):
+      raise
+    fail(f"{e} (set RLX_TRACEBACK=1 for the traceback)")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

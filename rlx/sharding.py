@@ -124,6 +124,8 @@ def batch_size_of(mesh: Mesh) -> int:
 
 
 def constrain_batch(tree: Any, mesh: Mesh) -> Any:
-  """Splits every array's leading (batch) dimension over the data-parallel axes."""
+  """Splits every array's leading (batch) dimension over the data-parallel axes (scalars are
+  replicated)."""
   return jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)), tree)
+      lambda x: jax.lax.with_sharding_constraint(
+          x, batch_sharding(mesh, x.ndim) if x.ndim else replicated(mesh)), tree)

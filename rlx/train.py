@@ -31,7 +31,10 @@ from rlx.data.tasks import PromptPool, exact_match_reward
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
 from rlx.rl import advantages as adv_lib
-from rlx.rl.loss import LossConfig, policy_loss
+from rlx.rl import length as length_lib
+from rlx.rl import replay as replay_lib
+from rlx.rl import selection
+from rlx.rl.loss import LossConfig, importance_weights, policy_loss
 from rlx.sampler import dense, paged
 from rlx.sampler.sampling import SamplingParams
 
@@ -44,6 +47,8 @@ class TrainState:
   step: jax.Array  # i32[]
   policy_version: jax.Array  # i32[] number of optimizer updates applied
   ref_params: Any = None  # only allocated when kl_coef > 0
+  selector: selection.SelectorState | None = None  # per-prompt pass-rate history
+  replay: replay_lib.ReplayState | None = None  # ring of past rollouts
 
 
 @struct.dataclass
@@ -60,6 +65,8 @@ class Batch:
   advantages: jax.Array  # f32[B]
   prompt_ids: jax.Array  # i32[B]
   difficulty: jax.Array  # i32[B]
+  policy_version: jax.Array  # i32[B] version of the policy that generated each row
+  stats: dict  # rollout-side ledger scalars (tokens generated incl. discarded, ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +82,22 @@ class StepConfig:
   sampling: SamplingParams
   sampler_impl: str = "dense"
   paged: paged.PagedConfig | None = None  # sampler_impl="paged" settings; None = defaults
+  selection: selection.SelectionConfig = selection.SelectionConfig()
+  replay: replay_lib.ReplayConfig | None = None
+  length: length_lib.LengthConfig = length_lib.LengthConfig()
 
   @property
   def batch_size(self) -> int:
+    """Fresh rollouts trained on per step (after dynamic filtering)."""
     return self.prompts_per_step * self.group_size
+
+  @property
+  def train_batch_size(self) -> int:
+    return self.batch_size + (self.replay.num_samples if self.replay else 0)
+
+  @property
+  def sampled_groups(self) -> int:
+    return self.prompts_per_step * self.selection.groups_sampled_factor
 
 
 def make_optimizer(lr: float, total_steps: int, *, warmup_steps: int = 0,
@@ -142,12 +161,16 @@ def sample(graphdef, params, prompts, prompt_lens, keys, cfg: StepConfig, mesh: 
   raise ValueError(f"sampler impl {cfg.sampler_impl!r}; expected 'dense' or 'paged'.")
 
 
-def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
-            mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
-  """Chooses prompts, samples G completions each, scores them and computes advantages."""
+def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
+             mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
+  """Chooses prompts and samples G completions each; rewards = the task's jnp verifier.
+
+  With dynamic filtering, `oversample` x prompts_per_step groups are sampled here and
+  `score` keeps prompts_per_step of them.
+  """
   rng, k_choose, k_sample = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
-  n, g = cfg.prompts_per_step, cfg.group_size
-  ids = jax.random.choice(k_choose, pool.size, (n,), replace=False).astype(jnp.int32)
+  n, g = cfg.sampled_groups, cfg.group_size
+  ids = selection.choose(state.selector, cfg.selection, k_choose, pool.size, n, state.step)
   rows = jnp.repeat(ids, g)
   chosen = pool.take(rows)
   keys = jax.random.split(k_sample, n * g)
@@ -155,14 +178,67 @@ def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
     chosen, keys, rows = shd.constrain_batch((chosen, keys, rows), mesh)
   ro = sample(graphdef, state.params, chosen.prompts, chosen.prompt_lens, keys, cfg, mesh)
   rewards = exact_match_reward(ro.tokens, chosen.answers, chosen.answer_lens)
-  advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage)
+  stats = {}
+  if state.selector is not None:
+    hist = selection.pass_rate_histogram(state.selector, ids)
+    for i in range(hist.shape[0]):
+      lo, hi = selection.HIST_BINS[i], selection.HIST_BINS[i + 1]
+      stats[f"select/pass_rate_hist_{lo:.1f}-{hi:.1f}"] = hist[i].astype(jnp.float32)
   batch = Batch(prompts=chosen.prompts, prompt_lens=chosen.prompt_lens, completions=ro.tokens,
                 behaviour_logp=ro.logprobs, lengths=ro.lengths, truncated=ro.truncated,
-                rewards=rewards, advantages=advantages, prompt_ids=rows,
-                difficulty=chosen.difficulty)
+                rewards=rewards, advantages=jnp.zeros_like(rewards), prompt_ids=rows,
+                difficulty=chosen.difficulty,
+                policy_version=jnp.full(rows.shape, state.policy_version, jnp.int32),
+                stats=stats)
   if mesh is not None:
     batch = shd.constrain_batch(batch, mesh)
   return state.replace(rng=jax.random.key_data(rng)), batch
+
+
+def score(state: TrainState, batch: Batch, rewards, *, cfg: StepConfig,
+          mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
+  """Task rewards -> shaped rewards, selector update, dynamic filtering, group advantages."""
+  g = cfg.group_size
+  correct = rewards.astype(jnp.float32)
+  if cfg.length.overlong_shaping:
+    rewards = correct + length_lib.overlong_penalty(
+        batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
+  else:
+    rewards = correct
+  groups = correct.reshape(-1, g)
+  if state.selector is not None:
+    state = state.replace(selector=selection.update(
+        state.selector, cfg.selection, batch.prompt_ids[::g], groups, state.step))
+  lengths = batch.lengths.astype(jnp.float32)
+  stats = dict(batch.stats)
+  stats["ledger/tokens_generated"] = lengths.sum()
+  stats["ledger/groups_sampled"] = jnp.asarray(groups.shape[0], jnp.float32)
+  if cfg.selection.dynamic_filter:
+    order = selection.dynamic_filter_order(rewards.reshape(-1, g))[:cfg.prompts_per_step]
+    row_order = (order[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
+    kept_tokens = jnp.take(lengths, row_order).sum()
+    stats["ledger/tokens_discarded"] = lengths.sum() - kept_tokens
+    fields = {k: v for k, v in dataclasses.asdict(batch).items() if k != "stats"}
+    batch = Batch(**{k: jnp.take(v, row_order, axis=0) for k, v in fields.items()},
+                  stats=stats)
+    rewards = jnp.take(rewards, row_order)
+    correct = jnp.take(correct, row_order)
+  else:
+    stats["ledger/tokens_discarded"] = jnp.zeros((), jnp.float32)
+  advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage)
+  if cfg.length.overlong_filter:
+    advantages = jnp.where(batch.truncated, 0.0, advantages)
+  batch = batch.replace(rewards=correct, advantages=advantages, stats=stats)
+  if mesh is not None:
+    batch = shd.constrain_batch(batch, mesh)
+  return state, batch
+
+
+def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
+            mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
+  """generate + score with the task's jnp verifier: the rollout half of the fused step."""
+  state, batch = generate(state, pool, graphdef=graphdef, cfg=cfg, mesh=mesh)
+  return score(state, batch, batch.rewards, cfg=cfg, mesh=mesh)
 
 
 def _minibatches(tree, m: int):
@@ -173,11 +249,35 @@ def _minibatches(tree, m: int):
   return jax.tree.map(split, tree)
 
 
+def _with_replay(state: TrainState, fresh: Batch, cfg: StepConfig):
+  """Mixes replayed rows into the batch and writes the fresh signal-carrying rows to the ring.
+
+  Returns (state, training batch, replayed-row flags bool[B+R]).
+  """
+  key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
+  idx, used, ring = replay_lib.sample(state.replay, cfg.replay, key, state.policy_version)
+  rep = replay_lib.gather(ring, idx, used)
+  ring = replay_lib.add(ring, fresh, fresh.advantages != 0, state.policy_version, state.step)
+  rep["truncated"] = jnp.zeros(idx.shape, bool)
+  fields = {k: jnp.concatenate([getattr(fresh, k), rep[k].astype(getattr(fresh, k).dtype)])
+            for k in rep}
+  batch = Batch(**fields, stats=fresh.stats)
+  replayed = jnp.concatenate([jnp.zeros(fresh.lengths.shape, bool), used])
+  return state.replace(replay=ring), batch, replayed
+
+
 def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
            mesh: Mesh | None = None) -> tuple[TrainState, dict]:
-  """num_updates passes of num_minibatches optimizer steps on the batch."""
+  """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch."""
+  fresh = batch
+  replayed = None
+  if cfg.replay is not None:
+    state, batch, replayed = _with_replay(state, fresh, cfg)
+    if mesh is not None:
+      batch, replayed = shd.constrain_batch((batch, replayed), mesh)
   temp = cfg.sampling.policy_temperature
   logp_fn = functools.partial(completion_logprobs, graphdef, temperature=temp)
+  # pi_old: the proximal policy of decoupled PPO, recomputed by the trainer.
   old_logp, mask = logp_fn(state.params, batch.prompts, batch.prompt_lens, batch.completions,
                            batch.lengths)
   old_logp = jax.lax.stop_gradient(old_logp)
@@ -198,10 +298,10 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, d)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return (params, opt_state), metrics
 
-  mbs = _minibatches(data, cfg.num_minibatches)
+  mbs = _minibatches({**data, "batch": data["batch"].replace(stats={})}, cfg.num_minibatches)
 
   def epoch(carry, _):
     return jax.lax.scan(minibatch_step, carry, mbs)
@@ -209,32 +309,66 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
   (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), None,
                                               length=cfg.num_updates)
   metrics = jax.tree.map(jnp.mean, metrics)
-  metrics.update(ledger(batch, mask, old_logp, cfg))
+  metrics.update(ledger(fresh, batch, mask, old_logp, replayed, state.policy_version, cfg))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             policy_version=state.policy_version + cfg.num_updates *
                             cfg.num_minibatches)
   return new_state, metrics
 
 
-def ledger(batch: Batch, mask, old_logp, cfg: StepConfig) -> dict:
-  """Where this step's compute went, plus reward statistics (device scalars)."""
+def ledger(fresh: Batch, batch: Batch, mask, old_logp, replayed, policy_version,
+           cfg: StepConfig) -> dict:
+  """Where this step's compute went, plus reward and replay statistics (device scalars).
+
+  fresh: this step's rollouts (after dynamic filtering); batch: what was trained on (fresh
+  plus replayed rows); mask / old_logp are over `batch`.
+  """
   g = cfg.group_size
-  lengths = batch.lengths.astype(jnp.float32)
-  zero_var = jnp.all(batch.rewards.reshape(-1, g) == batch.rewards.reshape(-1, g)[:, :1],
-                     axis=1)
+  b = fresh.lengths.shape[0]
+  lengths = fresh.lengths.astype(jnp.float32)
+  groups = fresh.rewards.reshape(-1, g)
+  zero_var = jnp.all(groups == groups[:, :1], axis=1)
   zero_rows = jnp.repeat(zero_var, g)
-  drift = jnp.where(mask, jnp.abs(old_logp - batch.behaviour_logp), 0.0)
-  return {
-      "reward/mean": batch.rewards.mean(),
-      "reward/pass_at_group": jnp.mean(jnp.any(batch.rewards.reshape(-1, g) > 0, axis=1)),
-      "ledger/tokens_generated": lengths.sum(),
-      "ledger/tokens_trained": jnp.where(zero_rows, 0.0, lengths).sum(),
+  signal = fresh.advantages != 0
+  drift = jnp.where(mask[:b], jnp.abs(old_logp[:b] - fresh.behaviour_logp), 0.0)
+  out = {
+      "reward/mean": fresh.rewards.mean(),
+      "reward/pass_at_group": jnp.mean(jnp.any(groups > 0, axis=1)),
+      "ledger/tokens_trained": jnp.where(signal, lengths, 0.0).sum(),
       "ledger/tokens_zero_adv": jnp.where(zero_rows, lengths, 0.0).sum(),
       "ledger/zero_adv_group_frac": zero_var.astype(jnp.float32).mean(),
-      "ledger/truncated_frac": batch.truncated.astype(jnp.float32).mean(),
+      "ledger/truncated_frac": fresh.truncated.astype(jnp.float32).mean(),
       "ledger/response_len_mean": lengths.mean(),
       "ledger/logp_drift_max": drift.max(),
+      **fresh.stats,
   }
+  out["ledger/tokens_wasted"] = out["ledger/tokens_zero_adv"] + out["ledger/tokens_discarded"]
+  if replayed is not None:
+    rep_len = jnp.where(replayed, batch.lengths, 0).astype(jnp.float32)
+    rep_tokens = rep_len.sum()
+    rep_mask = mask & replayed[:, None]
+    w_raw = jnp.exp(old_logp - batch.behaviour_logp)
+    staleness = policy_version - batch.policy_version
+    hist = replay_lib.staleness_histogram(staleness, replayed)
+    out.update({
+        "ledger/tokens_replayed": rep_tokens,
+        "replay/rows": replayed.astype(jnp.float32).sum(),
+        "replay/reuse_ratio": rep_tokens / jnp.maximum(
+            rep_tokens + out["ledger/tokens_trained"], 1.0),
+        "replay/ess": replay_lib.effective_sample_size(
+            importance_weights(old_logp, batch.behaviour_logp, cfg.loss.is_cap,
+                               cfg.loss.is_mode)[0], rep_mask),
+        "replay/capped_frac": (jnp.where(rep_mask, w_raw > cfg.loss.is_cap, False).sum() /
+                               jnp.maximum(rep_mask.sum(), 1)),
+        "replay/staleness_mean": (jnp.where(replayed, staleness, 0).sum() /
+                                  jnp.maximum(replayed.sum(), 1)),
+    })
+    for i, lo in enumerate(replay_lib.STALENESS_BINS):
+      out[f"replay/staleness_hist_{lo}"] = hist[i].astype(jnp.float32)
+    out["ledger/tokens_trained"] = out["ledger/tokens_trained"] + rep_tokens
+  else:
+    out["ledger/tokens_replayed"] = jnp.zeros((), jnp.float32)
+  return out
 
 
 def train_step(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig, tx,
@@ -250,21 +384,39 @@ def train_step(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig
 def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=shd.DEFAULT_RULES):
   p_shard = shd.param_shardings(abstract_state.params, mesh, rules)
   rep = shd.replicated(mesh)
+  replay = None
+  if abstract_state.replay is not None:
+    # The ring's rows are split over the data-parallel axes; the write pointer is global.
+    replay = jax.tree.map(lambda x: shd.batch_sharding(mesh, x.ndim) if x.ndim else rep,
+                          abstract_state.replay)
   return TrainState(
       params=p_shard,
       opt_state=shd.shardings_like_params(abstract_state.opt_state, p_shard, mesh),
       rng=rep, step=rep, policy_version=rep,
-      ref_params=None if abstract_state.ref_params is None else p_shard)
+      ref_params=None if abstract_state.ref_params is None else p_shard,
+      selector=None if abstract_state.selector is None else jax.tree.map(
+          lambda _: rep, abstract_state.selector),
+      replay=replay)
 
 
 def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
+               num_prompts: int | None = None, replay: replay_lib.ReplayConfig | None = None,
+               prompt_width: int = 0, max_new_tokens: int = 0,
                rules=shd.DEFAULT_RULES) -> TrainState:
-  """Places params on the mesh and builds the optimizer state with matching shardings."""
+  """Places params on the mesh and builds the optimizer state with matching shardings.
+
+  num_prompts: size of the prompt pool, for the pass-rate selector (None: no selector).
+  replay: the ring's config (None: no ring); prompt_width / max_new_tokens size its rows.
+  """
   def make(params):
-    return TrainState(params=params, opt_state=tx.init(params),
-                      rng=jax.random.key_data(jax.random.key(seed)),
-                      step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
-                      ref_params=params if with_ref else None)
+    return TrainState(
+        params=params, opt_state=tx.init(params),
+        rng=jax.random.key_data(jax.random.key(seed)),
+        step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
+        ref_params=params if with_ref else None,
+        selector=None if num_prompts is None else selection.SelectorState.init(num_prompts),
+        replay=None if replay is None else replay_lib.ReplayState.init(
+            replay.capacity, prompt_width, max_new_tokens))
   abstract = jax.eval_shape(make, params)
   shardings = state_shardings(abstract, mesh, rules)
   params = jax.device_put(params, shardings.params)
@@ -275,11 +427,20 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
 class StepFns:
   """Jitted halves and the fused step, with donated state and fixed shardings."""
 
-  rollout: Callable
-  update: Callable
-  train_step: Callable
+  rollout: Callable  # (state, pool) -> (state, batch)
+  update: Callable  # (state, batch) -> (state, metrics)
+  train_step: Callable  # (state, pool) -> (state, metrics): rollout + update, fused
+  generate: Callable  # (state, pool) -> (state, batch): for host-Python rewards ...
+  score_update: Callable  # (state, batch, rewards) -> (state, metrics): ... then this
   state_sharding: TrainState
   pool_sharding: Any
+
+
+def score_update(state: TrainState, batch: Batch, rewards, *, graphdef, cfg: StepConfig, tx,
+                 mesh: Mesh | None = None) -> tuple[TrainState, dict]:
+  """The update half for rewards computed on the host (see rlx.rewards)."""
+  state, batch = score(state, batch, rewards, cfg=cfg, mesh=mesh)
+  return update(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
 
 
 def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: TrainState,
@@ -293,5 +454,9 @@ def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: Tra
                 in_shardings=(s_shard, None), out_shardings=(s_shard, rep))
   fused = jax.jit(functools.partial(train_step, tx=tx, **kw), donate_argnums=0,
                   in_shardings=(s_shard, rep), out_shardings=(s_shard, rep))
-  return StepFns(rollout=roll, update=upd, train_step=fused, state_sharding=s_shard,
-                 pool_sharding=rep)
+  gen = jax.jit(functools.partial(generate, **kw), donate_argnums=0,
+                in_shardings=(s_shard, rep), out_shardings=(s_shard, None))
+  sc_upd = jax.jit(functools.partial(score_update, tx=tx, **kw), donate_argnums=0,
+                   in_shardings=(s_shard, None, None), out_shardings=(s_shard, rep))
+  return StepFns(rollout=roll, update=upd, train_step=fused, generate=gen,
+                 score_update=sc_upd, state_sharding=s_shard, pool_sharding=rep)

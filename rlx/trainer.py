@@ -8,6 +8,7 @@ and orbax checkpoints. A rerun with the same workdir resumes from the last check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,7 +43,8 @@ def step_config(config: mlc.ConfigDict, tokenizer) -> train.StepConfig:
       num_minibatches=config.rl.num_minibatches, loss=configs.loss_config(config),
       sampling=configs.sampling_params(config, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                        stop_ids=stop_ids),
-      sampler_impl=config.sampler.impl)
+      sampler_impl=config.sampler.impl, selection=configs.selection_config(config),
+      replay=configs.replay_config(config), length=configs.length_config(config))
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -50,23 +52,35 @@ def band_accuracy(m: dict[str, float], band) -> float:
   return float(np.mean(vals)) if vals else float("nan")
 
 
-def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print,
-        show_progress: bool = True) -> dict[str, Any]:
-  """Trains per `config` in `workdir`; returns a summary (accuracy before/after, timings)."""
+@dataclasses.dataclass
+class Setup:
+  """Everything a run needs before its first step (shared by `run` and the benchmarks)."""
+
+  config: mlc.ConfigDict
+  exp: experiment.Experiment
+  mesh: Any
+  step_cfg: train.StepConfig
+  tx: Any
+  state: train.TrainState
+  fns: train.StepFns
+
+
+def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print
+          ) -> Setup:
+  """Validates the config, prepares data / tokenizer / base model, compiles nothing yet."""
   mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   configs.validate(config, shd.batch_size_of(mesh))
   _check_workdir(workdir)
   ckpt_lib.save_json(os.path.join(workdir, "config.json"), configs.to_plain(config))
-
-  exp = experiment.setup(config, workdir, log=log)
-  tok = exp.tokenizer
+  has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
+      name.isdigit() for name in os.listdir(os.path.join(workdir, "checkpoints")))
+  exp = experiment.setup(config, workdir, log=log, resuming=has_checkpoints)
   log(f"[rlx] model: {exp.model_cfg.num_params() / 1e6:.2f}M params "
       f"({exp.model_cfg.num_layers} layers, d_model {exp.model_cfg.d_model}); base: "
       f"{exp.base_source}")
   log(f"[rlx] mesh {dict(mesh.shape)}; RL pool {exp.train_pool.size} prompts (levels "
       f"{tuple(config.task.rl_levels)}), eval {exp.eval_pool.size} prompts")
-
-  cfg = step_config(config, tok)
+  cfg = step_config(config, exp.tokenizer)
   tx = train.make_optimizer(config.optim.lr, config.total_steps,
                             warmup_steps=config.optim.warmup_steps,
                             schedule=config.optim.schedule,
@@ -75,9 +89,20 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
                             b2=config.optim.b2,
                             updates_per_step=cfg.num_updates * cfg.num_minibatches)
   state = train.init_state(exp.base_params, tx, config.seed, mesh,
-                           with_ref=cfg.loss.kl_coef > 0)
+                           with_ref=cfg.loss.kl_coef > 0, num_prompts=exp.train_pool.size,
+                           replay=cfg.replay, prompt_width=exp.train_pool.max_prompt_len,
+                           max_new_tokens=cfg.sampling.max_new_tokens)
+  fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, jax.eval_shape(lambda: state))
+  return Setup(config=config, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns)
+
+
+def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print,
+        show_progress: bool = True) -> dict[str, Any]:
+  """Trains per `config` in `workdir`; returns a summary (accuracy before/after, timings)."""
+  setup = build(config, workdir, log=log)
+  exp, mesh, fns, state = setup.exp, setup.mesh, setup.fns, setup.state
+  tok = exp.tokenizer
   abstract = jax.eval_shape(lambda: state)
-  fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, abstract)
 
   ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
   meta = {"model": exp.model_cfg.to_dict(), "config": configs.to_plain(config)}

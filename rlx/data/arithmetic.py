@@ -118,7 +118,7 @@ class ArithmeticSpec:
   # Answers written lowest digit first: the format small transformers learn fastest
   # (Lee et al. 2023, arXiv 2307.03381), because each digit then depends only on digits
   # already seen.
-  reverse_answer: bool = True
+  reverse_answer: bool = False
   # The warm-start "teacher" answer of a train example at these levels drops the lowest carry
   # with probability `teacher_error_rate` (the eval split and the RL reward always use the
   # true answer). This stands in for the noisy data a real base model is pretrained on.

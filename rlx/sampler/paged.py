@@ -86,9 +86,9 @@ class PagedConfig:
   interpret_flavour: which Pallas kernel "interpret" runs: "auto" = the GPU flavour on
     GPUs, the TPU flavour elsewhere (it has no shape constraints).
   prefill_chunk: prompts prefilled per forward pass when groups start.
-  slot_buckets: decode widths compiled: S, S/2, S/4, ... (this many). Each iteration packs
-    the active slots to the front and runs the narrowest width that holds them, so the
-    tail of a long-tailed batch (queue empty, few sequences left) costs little.
+  slot_buckets: decode widths compiled: S, S/2, S/4, ... (this many). Once no sequence
+    waits, the active ones are packed into the narrowest width that holds them, so the
+    tail of a long-tailed batch (few sequences left) does not pay for idle slots.
   context_buckets: the "reference" attention reads page-table prefixes of 1/n, 2/n, ... of
     its width, the shortest that covers every slot's length (the Pallas kernels already
     stop at each sequence's length).

@@ -1,0 +1,142 @@
+"""Prompt selection from per-prompt pass-rate history: spend rollouts where they teach.
+
+State (device arrays over the whole prompt pool, updated from every group's rewards):
+  pass_rate  f32[N]  exponential moving average of each prompt's group pass rate
+                     (prior 0.5 for unvisited prompts)
+  visits     i32[N]
+  last_all_correct bool[N], last_visit_step i32[N]
+  zero_var_streak i32[N]  consecutive visits whose group had zero reward variance
+
+Modes (`SelectionConfig.mode`):
+  uniform  every prompt equally likely (the plain GRPO baseline).
+  band     weight = floor + (1 - floor) * 4 p (1 - p): prompts near p = 0.5 give the largest
+           GRPO signal (the group-variance argument of DOTS, Sun et al. 2025,
+           arXiv 2506.05316); `floor` keeps exploration alive for every prompt.
+  history  SRPO's history resampling (Zhang et al. 2025, arXiv 2504.14286): prompts whose
+           last visit was all-correct are dropped; here they return after
+           `history_cooldown` steps so that a forgotten skill is noticed.
+  skip     GRESO's pre-rollout filtering (Li et al. 2025, arXiv 2506.02177): a prompt whose
+           last z visits all had zero-variance groups is kept with probability
+           `skip_keep_base ** z` (never 0, so it can come back), else skipped.
+Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
+arXiv 2503.14476): sample `oversample` x the needed groups, keep groups with non-zero
+reward variance first; the discarded rollouts are still counted in the token ledger.
+
+Choosing n prompts without replacement from weights w uses Gumbel top-k on log w.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+MODES = ("uniform", "band", "history", "skip")
+HIST_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionConfig:
+  mode: str = "uniform"
+  ema: float = 0.5  # weight of the newest visit in the pass-rate average
+  floor: float = 0.05  # band: minimum relative weight
+  history_cooldown: int = 50  # history: steps until an all-correct prompt may return
+  skip_keep_base: float = 0.25  # skip: keep probability per zero-variance visit
+  dynamic_filter: bool = False
+  oversample: int = 2  # dynamic_filter: groups sampled per group kept
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"selection mode {self.mode!r}; expected one of {MODES}.")
+    if not 0 < self.ema <= 1:
+      raise ValueError(f"selection ema={self.ema}; expected 0 < ema <= 1.")
+    if not 0 <= self.floor <= 1:
+      raise ValueError(f"selection floor={self.floor}; expected 0 <= floor <= 1.")
+    if not 0 < self.skip_keep_base <= 1:
+      raise ValueError(f"selection skip_keep_base={self.skip_keep_base}; expected (0, 1].")
+    if self.oversample < 1:
+      raise ValueError(f"selection oversample={self.oversample}; expected >= 1.")
+
+  @property
+  def groups_sampled_factor(self) -> int:
+    return self.oversample if self.dynamic_filter else 1
+
+
+@struct.dataclass
+class SelectorState:
+  pass_rate: jax.Array  # f32[N]
+  visits: jax.Array  # i32[N]
+  last_all_correct: jax.Array  # bool[N]
+  last_visit_step: jax.Array  # i32[N]
+  zero_var_streak: jax.Array  # i32[N]
+
+  @classmethod
+  def init(cls, num_prompts: int) -> "SelectorState":
+    return cls(pass_rate=jnp.full((num_prompts,), 0.5, jnp.float32),
+               visits=jnp.zeros((num_prompts,), jnp.int32),
+               last_all_correct=jnp.zeros((num_prompts,), bool),
+               last_visit_step=jnp.full((num_prompts,), -(10 ** 6), jnp.int32),
+               zero_var_streak=jnp.zeros((num_prompts,), jnp.int32))
+
+
+def weights(sel: SelectorState, cfg: SelectionConfig, step, key):
+  """Unnormalised selection weights f32[N] (0 = excluded this step)."""
+  p = sel.pass_rate
+  n = p.shape[0]
+  if cfg.mode == "uniform":
+    return jnp.ones((n,), jnp.float32)
+  if cfg.mode == "band":
+    return cfg.floor + (1.0 - cfg.floor) * 4.0 * p * (1.0 - p)
+  if cfg.mode == "history":
+    dropped = sel.last_all_correct & (step - sel.last_visit_step < cfg.history_cooldown)
+    return jnp.where(dropped, 0.0, 1.0)
+  keep_prob = cfg.skip_keep_base ** sel.zero_var_streak.astype(jnp.float32)
+  kept = jax.random.uniform(key, (n,)) < keep_prob
+  return jnp.where(kept, 1.0, 0.0)
+
+
+def choose(sel: SelectorState | None, cfg: SelectionConfig, key, num_prompts: int, n: int,
+           step):
+  """n distinct prompt ids. Uniform mode draws exactly as the plain GRPO step does."""
+  if sel is None or cfg.mode == "uniform":
+    return jax.random.choice(key, num_prompts, (n,), replace=False).astype(jnp.int32)
+  k_w, k_g = jax.random.split(key)
+  w = weights(sel, cfg, step, k_w)
+  # If fewer than n prompts have weight (everything skipped), fall back to uniform over the
+  # rest rather than repeating prompts: tiny weight for excluded ones.
+  logw = jnp.where(w > 0, jnp.log(jnp.maximum(w, 1e-30)), -1e9)
+  gumbel = jax.random.gumbel(k_g, (num_prompts,))
+  return jax.lax.top_k(logw + gumbel, n)[1].astype(jnp.int32)
+
+
+def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, step):
+  """Folds each visited prompt's group result into its history."""
+  rate = rewards_PxG.mean(axis=1)
+  all_correct = jnp.all(rewards_PxG >= 1.0, axis=1)
+  zero_var = jnp.all(rewards_PxG == rewards_PxG[:, :1], axis=1)
+  old = sel.pass_rate[prompt_ids_P]
+  first = sel.visits[prompt_ids_P] == 0
+  new_rate = jnp.where(first, rate, (1 - cfg.ema) * old + cfg.ema * rate)
+  streak = jnp.where(zero_var, sel.zero_var_streak[prompt_ids_P] + 1, 0)
+  return sel.replace(
+      pass_rate=sel.pass_rate.at[prompt_ids_P].set(new_rate),
+      visits=sel.visits.at[prompt_ids_P].add(1),
+      last_all_correct=sel.last_all_correct.at[prompt_ids_P].set(all_correct),
+      last_visit_step=sel.last_visit_step.at[prompt_ids_P].set(step),
+      zero_var_streak=sel.zero_var_streak.at[prompt_ids_P].set(streak))
+
+
+def dynamic_filter_order(rewards_PxG):
+  """Group order putting non-zero-variance groups first (stable): DAPO's dynamic sampling."""
+  zero_var = jnp.all(rewards_PxG == rewards_PxG[:, :1], axis=1)
+  return jnp.argsort(zero_var.astype(jnp.int32), stable=True)
+
+
+def pass_rate_histogram(sel: SelectorState, prompt_ids):
+  """Counts of the chosen prompts' estimated pass rates in HIST_BINS (before this visit)."""
+  p = sel.pass_rate[prompt_ids]
+  edges = jnp.asarray(HIST_BINS)
+  idx = jnp.clip(jnp.searchsorted(edges, p, side="right") - 1, 0, len(HIST_BINS) - 2)
+  return jnp.zeros((len(HIST_BINS) - 1,), jnp.int32).at[idx].add(1)

@@ -1,0 +1,124 @@
+"""The NNX transformer: cached decoding equals the full forward, padding invariance, dtypes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.model import ModelConfig, apply, init_params
+from rlx.model.transformer import rope_inv_freq
+from rlx.sampler.dense import DenseKVCache
+
+BASE = ModelConfig(vocab_size=29, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                   head_dim=8, mlp_dim=48)
+VARIANTS = {
+    "llama_gqa": BASE,
+    "mha_untied": dataclasses.replace(BASE, num_kv_heads=4, tie_embeddings=False),
+    "qwen2_bias": dataclasses.replace(BASE, qkv_bias=True, num_kv_heads=1),
+    "qwen3_qknorm": dataclasses.replace(BASE, qk_norm=True),
+    "gemma2": dataclasses.replace(
+        BASE, norm_plus_one=True, embed_scale=True, activation="gelu_tanh",
+        post_attn_norm=True, post_mlp_norm=True, attn_logit_softcap=20.0,
+        final_logit_softcap=15.0, query_pre_attn_scalar=12.0, sliding_window=3,
+        layer_types=("sliding", "global")),
+    "gemma3": dataclasses.replace(
+        BASE, norm_plus_one=True, embed_scale=True, activation="gelu_tanh", qk_norm=True,
+        post_attn_norm=True, post_mlp_norm=True, sliding_window=4,
+        layer_types=("sliding", "global"), rope_local_theta=100.0, rope_theta=1e4,
+        rope_scaling="linear", rope_scaling_factor=4.0),
+    "llama3_rope": dataclasses.replace(BASE, rope_scaling="llama3", rope_scaling_factor=8.0,
+                                       rope_original_max_position=64, rope_theta=500.0),
+}
+
+
+def _randomize(params, seed=1):
+  # Norm scales and biases start at constants; perturb everything so no switch is a no-op.
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                   for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cached_decode_matches_full_forward(name):
+  cfg = VARIANTS[name]
+  g, params = init_params(cfg, 0)
+  params = _randomize(params)
+  b, t, prefill = 2, 9, 5
+  tokens = jax.random.randint(jax.random.key(2), (b, t), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  full, _ = apply(g, params, tokens, pos)
+
+  cache = DenseKVCache.init(cfg, b, t).begin(pos[:, :prefill], jnp.ones((b, prefill), bool))
+  logits, cache = apply(g, params, tokens[:, :prefill], pos[:, :prefill], None, cache)
+  cache = cache.end(prefill)
+  steps = [logits]
+  for i in range(prefill, t):
+    c = cache.begin(pos[:, i:i + 1], jnp.ones((b, 1), bool))
+    logits, c = apply(g, params, tokens[:, i:i + 1], pos[:, i:i + 1], None, c)
+    cache = c.end(1)
+    steps.append(logits)
+  np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=2e-5, rtol=1e-5)
+
+
+def test_left_padding_does_not_change_logits():
+  cfg = VARIANTS["gemma2"]  # sliding window + softcaps: the position-based masks matter
+  g, params = init_params(cfg, 0)
+  params = _randomize(params)
+  seq = jax.random.randint(jax.random.key(3), (1, 6), 0, cfg.vocab_size)
+  pad = 4
+  tokens = jnp.concatenate([jnp.zeros((1, pad), jnp.int32), seq], 1)
+  valid = jnp.arange(pad + 6)[None] >= pad
+  pos = jnp.where(valid, jnp.arange(pad + 6)[None] - pad, 0)
+  # NaN-free garbage in the padding must not leak either.
+  tokens = tokens.at[0, :pad].set(cfg.vocab_size - 1)
+  padded, _ = apply(g, params, tokens, pos, valid)
+  plain, _ = apply(g, params, seq, jnp.arange(6)[None])
+  np.testing.assert_allclose(padded[:, pad:], plain, atol=2e-5, rtol=1e-5)
+
+
+def test_sliding_window_limits_attention():
+  cfg = dataclasses.replace(BASE, num_layers=1, sliding_window=2, layer_types=("sliding",))
+  g, params = init_params(cfg, 0)
+  tokens = jax.random.randint(jax.random.key(4), (1, 8), 0, cfg.vocab_size)
+  pos = jnp.arange(8)[None]
+  out, _ = apply(g, params, tokens, pos)
+  changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % cfg.vocab_size)
+  out2, _ = apply(g, params, changed, pos)
+  # Token 0 is visible to queries 0 and 1 only (window 2) in a one-layer model.
+  diff = np.abs(np.asarray(out2 - out)).max(-1)[0]
+  assert diff[:2].min() > 1e-6 and diff[2:].max() == 0.0
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies():
+  cfg = VARIANTS["llama3_rope"]
+  plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling="none"), 0)
+  scaled = rope_inv_freq(cfg, 0)
+  assert scaled[0] == plain[0]  # highest frequency untouched
+  np.testing.assert_allclose(scaled[-1], plain[-1] / 8.0)  # lowest divided by the factor
+
+
+def test_bf16_is_selectable_and_close():
+  cfg = dataclasses.replace(BASE, dtype="bfloat16")
+  g, params = init_params(cfg, 0)
+  g32, _ = init_params(BASE, 0)
+  tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  lo, _ = apply(g, params, tokens, pos)
+  hi, _ = apply(g32, params, tokens, pos)
+  assert lo.dtype == jnp.float32  # logits are always f32
+  np.testing.assert_allclose(lo, hi, atol=0.1)
+  assert np.abs(np.asarray(lo - hi)).max() > 0  # bf16 really ran
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_heads": 6, "num_kv_heads": 4}, "num_heads=6 must be a multiple of num_kv_heads=4"),
+    ({"activation": "relu"}, "activation='relu'"),
+    ({"layer_types": ("sliding",)}, "layer_types has 1 entries, expected num_layers=2"),
+    ({"d_model": 0}, "d_model=0, expected a positive int"),
+])
+def test_bad_model_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(BASE, **kwargs)

@@ -1,0 +1,90 @@
+"""Prompt selection: selector updates, weights per mode, exploration floor, skip probability."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.rl import selection
+from rlx.rl.selection import SelectionConfig, SelectorState
+
+
+def test_update_ema_visits_streaks():
+  cfg = SelectionConfig(ema=0.5)
+  sel = SelectorState.init(5)
+  ids = jnp.asarray([1, 3])
+  sel = selection.update(sel, cfg, ids, jnp.asarray([[1., 1, 1, 1], [0, 1, 0, 0]]), step=3)
+  np.testing.assert_allclose(sel.pass_rate, [.5, 1.0, .5, .25, .5])  # first visit: the rate
+  sel = selection.update(sel, cfg, ids, jnp.asarray([[1., 0, 0, 0], [0, 0, 0, 0]]), step=4)
+  np.testing.assert_allclose(sel.pass_rate, [.5, .625, .5, .125, .5])  # .5*old + .5*new
+  np.testing.assert_array_equal(sel.visits, [0, 2, 0, 2, 0])
+  np.testing.assert_array_equal(sel.zero_var_streak, [0, 0, 0, 1, 0])  # [1,0,0,0] has variance
+  np.testing.assert_array_equal(sel.last_all_correct, [0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(sel.last_visit_step, [-10**6, 4, -10**6, 4, -10**6])
+
+
+def test_band_weights_and_exploration_floor():
+  cfg = SelectionConfig(mode="band", floor=0.1)
+  sel = SelectorState.init(4).replace(pass_rate=jnp.asarray([0.0, 0.5, 1.0, 0.25]))
+  w = selection.weights(sel, cfg, 0, jax.random.key(0))
+  np.testing.assert_allclose(w, [0.1, 1.0, 0.1, 0.1 + 0.9 * 0.75])
+  # Frequencies follow the weights (solved / impossible prompts still come up: the floor).
+  counts = np.zeros(4)
+  for k in range(400):
+    counts[np.asarray(selection.choose(sel, cfg, jax.random.key(k), 4, 1, 0))] += 1
+  np.testing.assert_allclose(counts / 400, np.asarray(w) / np.asarray(w).sum(), atol=0.06)
+  assert counts[0] > 0 and counts[2] > 0
+
+
+def test_history_drops_all_correct_prompts_until_cooldown():
+  cfg = SelectionConfig(mode="history", history_cooldown=10)
+  sel = SelectorState.init(3)
+  sel = selection.update(sel, cfg, jnp.asarray([0, 1]), jnp.asarray([[1., 1], [1, 0]]), step=5)
+  np.testing.assert_array_equal(selection.weights(sel, cfg, 6, None), [0, 1, 1])
+  np.testing.assert_array_equal(selection.weights(sel, cfg, 15, None), [1, 1, 1])
+  for k in range(30):
+    ids = np.asarray(selection.choose(sel, cfg, jax.random.key(k), 3, 2, 6))
+    assert 0 not in ids and len(set(ids)) == 2
+
+
+def test_skip_keep_probability_decays_with_zero_variance_streak():
+  cfg = SelectionConfig(mode="skip", skip_keep_base=0.5)
+  sel = SelectorState.init(4000).replace(
+      zero_var_streak=jnp.repeat(jnp.asarray([0, 1, 2, 3]), 1000))
+  w = np.asarray(selection.weights(sel, cfg, 0, jax.random.key(0))).reshape(4, 1000)
+  np.testing.assert_allclose(w.mean(1), [1.0, 0.5, 0.25, 0.125], atol=0.04)
+  # A visit with variance resets the streak: the prompt is back to certain selection.
+  sel = selection.update(sel, cfg, jnp.asarray([3999]), jnp.asarray([[1., 0]]), step=1)
+  assert int(sel.zero_var_streak[3999]) == 0
+
+
+def test_choose_returns_distinct_ids_even_if_all_are_skipped():
+  cfg = SelectionConfig(mode="history", history_cooldown=100)
+  sel = SelectorState.init(6).replace(last_all_correct=jnp.ones(6, bool),
+                                      last_visit_step=jnp.zeros(6, jnp.int32))
+  ids = np.asarray(selection.choose(sel, cfg, jax.random.key(0), 6, 4, 1))
+  assert len(set(ids)) == 4
+
+
+def test_uniform_choice_matches_plain_grpo_draw():
+  key = jax.random.key(5)
+  ids = selection.choose(SelectorState.init(50), SelectionConfig(), key, 50, 8, 0)
+  np.testing.assert_array_equal(ids, jax.random.choice(key, 50, (8,), replace=False))
+
+
+def test_dynamic_filter_order_and_histogram():
+  r = jnp.asarray([[1., 1], [0, 1], [0, 0], [1, 0]])
+  np.testing.assert_array_equal(selection.dynamic_filter_order(r), [1, 3, 0, 2])
+  sel = SelectorState.init(5).replace(pass_rate=jnp.asarray([0.05, 0.3, 0.5, 0.95, 1.0]))
+  np.testing.assert_array_equal(selection.pass_rate_histogram(sel, jnp.arange(5)),
+                                [1, 1, 1, 0, 2])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "greedy"}, "selection mode 'greedy'"),
+    ({"ema": 0.0}, "ema=0.0"),
+    ({"skip_keep_base": 0.0}, "skip_keep_base=0.0"),
+])
+def test_bad_selection_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SelectionConfig(**kwargs)

@@ -1,0 +1,134 @@
+"""End to end: the runlocal experiment trains, logs, checkpoints and resumes; bad input fails
+with one clear message."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlx import checkpoint, configs, trainer
+from rlx.metrics import read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARITH = os.path.join(REPO, "experiments", "arith.py")
+
+
+def runlocal_config(**overrides):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("arith_cfg", ARITH)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config("runlocal")
+  c.unlock()
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  c.lock()
+  return c
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("run"))
+  logs = []
+  summary = trainer.run(runlocal_config(), workdir, log=logs.append, show_progress=False)
+  return workdir, logs, summary
+
+
+def test_runlocal_trains_logs_and_checkpoints(trained):
+  workdir, logs, summary = trained
+  lines = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert [l["step"] for l in lines] == list(range(0, 9))
+  step = lines[3]
+  for key in ("reward/mean", "ledger/tokens_generated", "ledger/tokens_trained",
+              "ledger/zero_adv_group_frac", "ledger/truncated_frac", "time/generate_s",
+              "time/update_s", "loss/policy", "grad_norm"):
+    assert key in step, key
+  assert step["ledger/tokens_generated"] > 0
+  assert "eval/band_accuracy" in lines[0] and "eval/band_accuracy" in lines[-1]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
+  assert any("before RL" in l for l in logs) and any("after RL" in l for l in logs)
+  assert os.path.exists(os.path.join(workdir, "base", "model.safetensors"))
+  assert summary["after"]["eval/band_accuracy"] == lines[-1]["eval/band_accuracy"]
+
+
+def test_rerun_resumes_from_the_last_checkpoint(trained):
+  workdir, _, _ = trained
+  logs = []
+  trainer.run(runlocal_config(total_steps=10), workdir, log=logs.append, show_progress=False)
+  assert any("resumed from" in l and l.endswith("/8") for l in logs), logs
+  assert not any("supervised warm start" in l for l in logs)  # the base model is cached
+  lines = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert [l["step"] for l in lines] == list(range(0, 11))
+
+
+def test_workdir_with_a_different_model_is_refused(trained, tmp_path):
+  workdir, _, _ = trained
+  base = os.path.join(workdir, "base", "model.safetensors")
+  before = open(base, "rb").read()
+  with pytest.raises(checkpoint.CheckpointError, match=r"holds a run made with another task or "
+                     r"model .*'d_model': 32.*not .*'d_model': 48"):
+    trainer.run(runlocal_config(**{"model.d_model": 48, "sft.steps": 2}), workdir,
+                log=lambda s: None, show_progress=False)
+  # The refused run left the existing checkpoints and base model alone.
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "8"]
+  assert open(base, "rb").read() == before
+
+
+def test_checkpoint_of_a_different_architecture_is_refused(trained, tmp_path):
+  # Same task, but the checkpoint's recorded model differs from what the config builds.
+  workdir, _, _ = trained
+  ck = checkpoint.Checkpointer(workdir)
+  meta = ck.read_meta(10)
+  meta["model"]["num_layers"] = 7
+  import shutil
+  other = str(tmp_path / "other")
+  shutil.copytree(workdir, other)
+  checkpoint.save_json(os.path.join(other, "checkpoints", "10", "meta", "metadata"), meta)
+  with pytest.raises(checkpoint.CheckpointError, match=r"holds a different model \(num_layers: "
+                     r"checkpoint 7 vs config 2\)"):
+    trainer.run(runlocal_config(total_steps=12), other, log=lambda s: None,
+                show_progress=False)
+
+
+def test_prompt_longer_than_the_maximum(tmp_path):
+  with pytest.raises(ValueError, match=r"prompt '\d+\+\d+=' has \d+ tokens, longer than the "
+                     r"maximum prompt length 4"):
+    trainer.run(runlocal_config(**{"sampler.max_prompt_len": 4, "sft.steps": 1}),
+                str(tmp_path), log=lambda s: None, show_progress=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"rl.group_size": 1}, "config.rl.group_size=1: advantage 'grpo' normalises rewards"),
+    ({"rl.prompts_per_step": 3}, "12 rollouts cannot be split over the 8 data-parallel"),
+    ({"rl.num_minibatches": 5}, "do not split into config.rl.num_minibatches=5"),
+    ({"sampler.impl": "vllm"}, "config.sampler.impl='vllm'; expected one of"),
+    ({"rl.aggregation": "sum"}, "config.rl: loss aggregation 'sum'"),
+    ({"sampler.top_p": 1.5}, r"config.sampler: top_p=1.5; expected 0 < top_p <= 1"),
+])
+def test_bad_config_values(override, message, tmp_path):
+  with pytest.raises(configs.ConfigError, match=message):
+    trainer.run(runlocal_config(**override), str(tmp_path), log=lambda s: None,
+                show_progress=False)
+  assert not os.listdir(tmp_path)  # failed before writing anything
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.rl.grup_size=3",
+     "rlx: error: unknown config key --config.rl.grup_size; did you mean "
+     "--config.rl.group_size?"),
+    ("--config.rl.group_size=abc",
+     "rlx: error: flag --config.rl.group_size=abc: invalid literal for int()"),
+])
+def test_cli_flag_errors_are_one_line(flag, message, tmp_path):
+  out = subprocess.run([sys.executable, "-m", "rlx.main", f"--config={ARITH}:runlocal",
+                        f"--workdir={tmp_path}", flag], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+  assert out.returncode != 0
+  assert message in out.stderr
+  assert "Traceback" not in out.stderr

@@ -1,0 +1,80 @@
+"""The TensorFlow-free event writer: its files read back (by us and, if installed, by
+TensorBoard's own EventAccumulator) with the steps and values written."""
+
+import os
+
+import numpy as np
+import pytest
+
+from rlx import tensorboard as tb
+
+STEPS = {
+    1: {"reward/mean": 0.25, "ledger/tokens_generated": 161.0, "time/generate_s": 4.5},
+    2: {"reward/mean": np.float32(0.5), "ledger/tokens_generated": np.int64(170),
+        "note": "not a number", "hist": np.zeros(3)},
+    3: {"reward/mean": 0.75, "eval/band_accuracy": 0.4375, "ledger/tokens_generated": 158},
+}
+
+
+def write_run(logdir, steps, **kw):
+  with tb.SummaryWriter(logdir, **kw) as w:
+    for step, values in steps.items():
+      w.scalars(step, values)
+  return w.path
+
+
+def test_crc32c_known_values():
+  assert tb.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+  assert tb.crc32c(b"") == 0
+  assert tb.crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4 test vector
+
+
+def test_written_scalars_read_back(tmp_path):
+  path = write_run(str(tmp_path), STEPS)
+  assert os.path.basename(path).startswith("events.out.tfevents.")
+  records = [tb.decode_event(r) for r in tb.read_records(path)]
+  assert records[0]["file_version"] == "brain.Event:2"
+  got = tb.read_scalars(str(tmp_path))
+  assert got["reward/mean"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+  assert got["ledger/tokens_generated"] == [(1, 161.0), (2, 170.0), (3, 158.0)]
+  assert got["eval/band_accuracy"] == [(3, 0.4375)]
+  assert "note" not in got and "hist" not in got  # non-scalars are skipped
+
+
+def test_a_corrupt_record_is_detected(tmp_path):
+  path = write_run(str(tmp_path), STEPS)
+  data = bytearray(open(path, "rb").read())
+  data[-10] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+  with pytest.raises(ValueError, match="corrupt record data"):
+    list(tb.read_records(path))
+
+
+def test_resume_purges_the_steps_written_again(tmp_path):
+  write_run(str(tmp_path), {s: {"x": float(s)} for s in range(1, 6)})
+  write_run(str(tmp_path), {s: {"x": 10.0 * s} for s in range(3, 5)}, purge_step=3)
+  assert tb.read_scalars(str(tmp_path))["x"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_tensorboard_reads_our_files(tmp_path):
+  event_accumulator = pytest.importorskip(
+      "tensorboard.backend.event_processing.event_accumulator")
+  write_run(str(tmp_path), STEPS)
+  acc = event_accumulator.EventAccumulator(str(tmp_path))
+  acc.Reload()
+  assert set(acc.Tags()["scalars"]) == {"reward/mean", "ledger/tokens_generated",
+                                        "time/generate_s", "eval/band_accuracy"}
+  assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
+      (1, 0.25), (2, 0.5), (3, 0.75)]
+  assert [e.step for e in acc.Scalars("eval/band_accuracy")] == [3]
+
+
+def test_tensorboard_honours_the_purge_on_resume(tmp_path):
+  event_accumulator = pytest.importorskip(
+      "tensorboard.backend.event_processing.event_accumulator")
+  write_run(str(tmp_path), {s: {"x": float(s)} for s in range(1, 6)})
+  write_run(str(tmp_path), {s: {"x": 10.0 * s} for s in range(3, 5)}, purge_step=3)
+  acc = event_accumulator.EventAccumulator(str(tmp_path))
+  acc.Reload()
+  assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0),
+                                                           (4, 40.0)]
