@@ -18,10 +18,13 @@ INSTALL_REQUIRES = [
     "safetensors>=0.4",  # Hugging Face weights in and out (rlx.model.hf); never pickle
     "tokenizers>=0.20",  # tokenizer.json (rlx.data.tokenizer)
     "jinja2>=3.1.6",  # chat templates, rendered as transformers does (>=3.1.6: sandbox fixes)
+    "matplotlib>=3.8",  # run reports and sweep plots (rlx.report, rlx.sweep); Agg, no display
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    # tensorboard (no TensorFlow needed): its EventAccumulator cross-checks the event files that
+    # rlx.tensorboard writes by hand; rlx itself never imports it.
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.15"],
     # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
     # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build.
     "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9"],

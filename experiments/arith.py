@@ -39,6 +39,8 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
   c.task.teacher_error_rate = 0.6
   c.task.rl_levels = (2, 3, 4)  # prompts RL trains on
   c.task.band = (3, 4)  # where accuracy before/after RL is reported
+  c.task.eval_levels = ()  # levels of the held-out set to evaluate (empty: all)
+  c.task.data_dir = ""  # where TFDS prepares the data (empty: WORKDIR/data)
 
   c.tokenizer = mlc.ConfigDict()
   c.tokenizer.vocab_size = 64
@@ -127,8 +129,31 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
 
+  c.guard = mlc.ConfigDict()
+  c.guard.max_consecutive_skips = 3  # steps with non-finite loss/grads before stopping
+  c.guard.reward_range = (-10.0, 10.0)  # a reward outside stops the run, naming the example
+
+  c.memory = mlc.ConfigDict()
+  c.memory.device_bytes = 0  # per-device memory for the plan (0: ask the device / host RAM)
+  c.memory.activation_margin = 1.2
+  c.memory.check = True  # refuse to start a run whose plan does not fit
+
   c.mesh = mlc.ConfigDict()
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
   return c
+
+
+def get_sweep(arg: str = "") -> list[dict]:
+  """Override sets for `python -m rlx.sweep --config=experiments/arith.py --workdir_root=DIR`.
+
+  Full: group size 4 vs 8 crossed with GRPO vs Dr.GRPO advantages (4 runs from one warm start).
+  runlocal: the same tiny config with two seeds (2 RL steps each), which shows run-to-run
+  variance and runs in seconds (the second run reuses the first one's compiled programs).
+  """
+  if arg == "runlocal":
+    tiny = {"total_steps": 2, "eval_every": 2, "sft.steps": 2}
+    return [{**tiny, "seed": 0}, {**tiny, "seed": 1}]
+  get_config(arg)  # rejects an unknown arg
+  return [{"rl.group_size": g, "rl.advantage": a} for g in (4, 8) for a in ("grpo", "dr_grpo")]

@@ -170,6 +170,10 @@ def rlx_engines(cfg, graphdef, params, wl: Workload, page_size: int):
 
 def hf_engine(cfg, params, wl: Workload, tmpdir: str):
   """Returns (callable or None, reason)."""
+  # Sleep instead of spinning at OpenMP barriers: on a shared machine spinning torch threads
+  # wait for descheduled siblings and a run can take 10-100x longer. Only effective if torch
+  # is not imported yet.
+  os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
   try:
     import torch
     import transformers
@@ -209,8 +213,7 @@ def hf_engine(cfg, params, wl: Workload, tmpdir: str):
                             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                             eos_token_id=EOS, pad_token_id=0, logits_processor=processors)
 
-  # torch's OpenMP threads stall badly when other processes share the cores; give HF the
-  # faster of 1 thread and all cores, judged on a short generation.
+  # Give HF the faster of 1 thread and all cores, judged on a short generation.
   timings = {}
   for threads in sorted({1, os.cpu_count() or 1}):
     torch.set_num_threads(threads)
@@ -220,8 +223,10 @@ def hf_engine(cfg, params, wl: Workload, tmpdir: str):
     timings[threads] = time.perf_counter() - start
   threads = min(timings, key=timings.get)
   torch.set_num_threads(threads)
-  return run, f"HF generate: torch {torch.__version__}, transformers {transformers.__version__}, " \
-              f"{threads} thread(s) (calibration {', '.join(f'{k}: {v:.2f}s' for k, v in timings.items())})"
+  calibration = ", ".join(f"{k}: {v:.2f}s" for k, v in timings.items())
+  return run, (f"HF generate: torch {torch.__version__}, transformers {transformers.__version__}"
+               f", {threads} thread(s) (16-token calibration {calibration}), "
+               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
 
 
 # ----------------------------------------------------------------------------- main

@@ -93,3 +93,22 @@ def save_json(path: str, obj: Any) -> None:
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True, default=str)
   os.replace(tmp, path)
+
+
+def read_arrays(workdir: str, step: int | None = None) -> Any:
+  """The saved TrainState of WORKDIR/checkpoints/<step> (default: latest) as numpy arrays,
+  on any machine (no mesh needed): for analysis, comparisons and export."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  if step is None:
+    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+    if not steps:
+      raise CheckpointError(f"No complete checkpoint under {directory}.")
+    step = steps[-1]
+  path = os.path.join(directory, str(step), "state")
+  ckptr = ocp.PyTreeCheckpointer()
+  meta = ckptr.metadata(path)
+  tree = getattr(meta, "item_metadata", None) or getattr(meta, "tree", None) or meta
+  tree = getattr(tree, "tree", tree)
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from rlx import distributed
 from rlx import sharding as shd
 from rlx.data.tasks import PromptPool, exact_match_reward
 from rlx.sampler import dense
@@ -47,10 +48,10 @@ class Evaluator:
     bs = self.batch_size
     for i in range(0, p.prompts.shape[0], bs):
       sl = slice(i, i + bs)
-      args = [jax.device_put(x[sl], shd.batch_sharding(self.mesh, x.ndim))
+      args = [shd.put(x[sl], shd.batch_sharding(self.mesh, x.ndim))
               for x in (p.prompts, p.prompt_lens, p.answers, p.answer_lens)]
       out.append(self._run(params, *args))
-    return np.concatenate([np.asarray(x) for x in out])[:self.n]
+    return np.concatenate([distributed.to_host(x) for x in out])[:self.n]
 
   def __call__(self, params) -> dict[str, float]:
     s = self.scores(params)

@@ -22,7 +22,7 @@ import ml_collections as mlc
 import numpy as np
 import tensorflow_datasets as tfds
 
-from rlx import configs
+from rlx import configs, distributed
 from rlx.data import arithmetic, tasks
 from rlx.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 from rlx.model import transformer
@@ -107,6 +107,48 @@ def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
   (otherwise the run would silently continue from a different starting point).
   """
   from rlx.model import hf  # local import: pulls in the safetensors reader only when needed
+
+  # Process 0 prepares what is cached on disk (data, tokenizer, warm start); the others
+  # then read it.
+  chosen, source = distributed.main_first(
+      lambda: _prepare(config, workdir, log=log, resuming=resuming), "rlx_prepare")
+  data_dir = _resolve(config.task.get("data_dir", "") or os.path.join(workdir, "data"))
+  train_ex, eval_ex = load_task(config, data_dir)
+  model_path = config.model.get("path", "")
+  if model_path:
+    tokenizer = load_tokenizer(config.tokenizer.path or model_path)
+    model_cfg, params = hf.load_hf(model_path, dtype=config.model.get("dtype", "float32"),
+                                   param_dtype=config.model.get("param_dtype", None))
+  else:
+    tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
+    model_cfg, params = hf.load_hf(chosen, dtype=config.model.get("dtype", "float32"))
+  graphdef = transformer.graphdef_for(model_cfg)
+
+  eval_levels = tuple(config.task.get("eval_levels", ()) or ())
+  if eval_levels:
+    eval_ex = [e for e in eval_ex if int(e["difficulty"]) in set(int(l) for l in eval_levels)]
+    if not eval_ex:
+      raise configs.ConfigError(f"config.task.eval_levels={eval_levels} selects no eval "
+                                f"example (task.levels={tuple(config.task.levels)}).")
+  rl_levels = set(int(l) for l in config.task.rl_levels)
+  rl_ex = [e for e in train_ex if int(e["difficulty"]) in rl_levels]
+  if not rl_ex:
+    raise configs.ConfigError(f"config.task.rl_levels={tuple(config.task.rl_levels)} selects no "
+                              f"training example (task.levels={tuple(config.task.levels)}).")
+  max_p = config.sampler.max_prompt_len
+  max_a = config.sampler.max_new_tokens
+  train_pool, train_host = tasks.tokenize_pool(rl_ex, tokenizer, max_p, max_a,
+                                               task_name=f"{config.task.name} train")
+  eval_pool, eval_host = tasks.tokenize_pool(eval_ex, tokenizer, max_p, max_a,
+                                             task_name=f"{config.task.name} eval")
+  return Experiment(config=config, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
+                    base_params=params, train_pool=train_pool, train_host=train_host,
+                    eval_pool=eval_pool, eval_host=eval_host, base_source=source)
+
+
+def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
+             ) -> tuple[str | None, str]:
+  """Prepares the data and picks (or trains) the base model; returns (base dir, source)."""
   from rlx import sft
 
   data_dir = _resolve(config.task.get("data_dir", "") or os.path.join(workdir, "data"))
@@ -118,15 +160,15 @@ def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
 
   model_path = config.model.get("path", "")
   warm_dir = _resolve(config.get("warm_start", {}).get("dir", "") or "")
+  if warm_dir and not os.path.isdir(warm_dir):
+    raise FileNotFoundError(f"config.warm_start.dir={warm_dir!r} is not a directory; expected a "
+                            f"base model written by an earlier run (WORKDIR/base).")
   base_dir = os.path.join(workdir, "base")
   source = ""
   if model_path:
     if not os.path.isdir(model_path):
       raise FileNotFoundError(f"config.model.path={model_path!r} is not a directory.")
-    tokenizer = load_tokenizer(config.tokenizer.path or model_path)
-    model_cfg, params = hf.load_hf(model_path, dtype=config.model.get("dtype", "float32"),
-                                   param_dtype=config.model.get("param_dtype", None))
-    source = f"Hugging Face checkpoint {model_path}"
+    return None, f"Hugging Face checkpoint {model_path}"
   else:
     chosen = None
     for d in (base_dir, warm_dir):
@@ -154,24 +196,7 @@ def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
       source = f"warm start trained now ({time.time() - t0:.0f}s), saved to {base_dir}"
     else:
       source = f"warm start {chosen}"
-    tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
-    model_cfg, params = hf.load_hf(chosen, dtype=config.model.get("dtype", "float32"))
-  graphdef = transformer.graphdef_for(model_cfg)
-
-  rl_levels = set(int(l) for l in config.task.rl_levels)
-  rl_ex = [e for e in train_ex if int(e["difficulty"]) in rl_levels]
-  if not rl_ex:
-    raise configs.ConfigError(f"config.task.rl_levels={tuple(config.task.rl_levels)} selects no "
-                              f"training example (task.levels={tuple(config.task.levels)}).")
-  max_p = config.sampler.max_prompt_len
-  max_a = config.sampler.max_new_tokens
-  train_pool, train_host = tasks.tokenize_pool(rl_ex, tokenizer, max_p, max_a,
-                                               task_name=f"{config.task.name} train")
-  eval_pool, eval_host = tasks.tokenize_pool(eval_ex, tokenizer, max_p, max_a,
-                                             task_name=f"{config.task.name} eval")
-  return Experiment(config=config, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
-                    base_params=params, train_pool=train_pool, train_host=train_host,
-                    eval_pool=eval_pool, eval_host=eval_host, base_source=source)
+  return chosen, source
 
 
 def _task_tokenizer(config: mlc.ConfigDict, train_ex: list[dict], workdir: str) -> Tokenizer:

@@ -28,8 +28,12 @@ class JsonlWriter:
   again, so the file always reads as one uninterrupted run.
   """
 
-  def __init__(self, path: str, resume_step: int | None = None):
+  def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True):
     self.path = path
+    self.enabled = enabled
+    if not enabled:  # non-zero processes of a multi-process run write nothing
+      self._f = None
+      return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if os.path.exists(path):
       if resume_step is None:
@@ -57,11 +61,14 @@ class JsonlWriter:
     return out
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    if self._f is None:
+      return
     self._f.write(json.dumps({"step": int(step), **{k: _plain(v) for k, v in metrics.items()}})
                   + "\n")
 
   def close(self) -> None:
-    self._f.close()
+    if self._f is not None:
+      self._f.close()
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -136,6 +136,11 @@ def band_accuracy_before_after(run: Run) -> tuple[float | None, float | None, in
   return before, float(acc[after_mask][-1]), int(steps[after_mask][-1])
 
 
+def _fused(run: Run) -> bool:
+  """config.fused_step: one jitted step, timed whole (logged as generation, update 0)."""
+  return bool((run.config or {}).get("fused_step"))
+
+
 def summarize(run: Run) -> dict[str, Any]:
   """The headline numbers of a run (None where the metrics are missing)."""
   train_steps = [l["step"] for l in run.lines if l["step"] > 0]
@@ -157,6 +162,7 @@ def summarize(run: Run) -> dict[str, Any]:
   }
   for key, name in (("ledger/tokens_trained", "tokens_trained"),
                     ("ledger/tokens_zero_adv", "tokens_zero_adv"),
+                    ("ledger/tokens_discarded", "tokens_discarded"),
                     ("ledger/tokens_replayed", "tokens_replayed")):
     _, v = run.series(key, train_only=True)
     out[name] = float(v.sum()) if len(v) else None
@@ -168,7 +174,8 @@ def summarize(run: Run) -> dict[str, Any]:
       gen_s, upd_s = gen_s[1:], upd_s[1:]
     total = gen_s + upd_s
     out["median_step_s"] = float(np.median(total))
-    out["generation_share"] = float(gen_s.sum() / total.sum()) if total.sum() > 0 else None
+    if total.sum() > 0 and not _fused(run):
+      out["generation_share"] = float(gen_s.sum() / total.sum())
   return out
 
 
@@ -206,13 +213,17 @@ def summary_text(run: Run, notes: Sequence[str] = ()) -> str:
   if s["tokens_zero_adv"] is not None and s["tokens_generated"]:
     tok += (f"; in zero-advantage groups: {_tokens(s['tokens_zero_adv'])} "
             f"({_pct(s['tokens_zero_adv'] / s['tokens_generated'])})")
-  if s["tokens_replayed"] is not None:
+  if s["tokens_discarded"]:
+    tok += f"; discarded by dynamic filtering: {_tokens(s['tokens_discarded'])}"
+  if s["tokens_replayed"]:
     tok += f"; replayed: {_tokens(s['tokens_replayed'])}"
   lines.append(tok)
   if s["median_step_s"] is not None:
-    lines.append(f"  median step: {s['median_step_s']:.3f} s, of which generation "
-                 f"{_pct(s['generation_share'])} of the time (first step, with compilation, "
-                 f"left out)")
+    split = (f", of which generation {_pct(s['generation_share'])} of the time"
+             if s["generation_share"] is not None else
+             " (fused step: generation and update not timed apart)" if _fused(run) else "")
+    lines.append(f"  median step: {s['median_step_s']:.3f} s{split} (first step, with "
+                 f"compilation, left out)")
   else:
     lines.append("  step times: n/a (no time/generate_s, time/update_s)")
   for note in notes:
@@ -268,7 +279,7 @@ def plot_reward(run: Run, path: str) -> str | None:
   p_steps, pass_group = run.series("reward/pass_at_group", train_only=True)
   if len(p_steps):
     ax.plot(p_steps, ema(pass_group, span), color="tab:green", lw=1.5, ls="--",
-            label="groups with at least one correct sample (smoothed)")
+            label="share of groups with a positive reward (smoothed)")
   ax.set_title("Reward during RL")
   ax.set_xlabel("RL step")
   ax.set_ylabel("reward (mean over the step's rollouts)")
@@ -348,26 +359,33 @@ def plot_time(run: Run, path: str) -> str | None:
   steps = g_steps
   upd = np.asarray([upd_by_step.get(s, 0.0) for s in steps.tolist()])
   total = gen + upd
+  typical = float(np.percentile(total[1:] if len(total) > 2 else total, 95))
+  # Steps of a few milliseconds read better in ms.
+  scale, unit = (1000.0, "ms") if 0 < typical < 0.5 else (1.0, "s")
+  gen, upd, total = gen * scale, upd * scale, total * scale
+  typical *= scale
   fig, (ax,) = _figure()
   width = 0.8 if len(steps) < 2 else 0.8 * float(np.min(np.diff(steps)))
-  ax.bar(steps, gen, width=width, color="tab:orange", label="generation (rollouts)")
+  ax.bar(steps, gen, width=width, color="tab:orange",
+         label="whole step (fused: not split)" if _fused(run) else "generation (rollouts)")
   ax.bar(steps, upd, width=width, bottom=gen, color="tab:blue", label="update (gradient steps)")
   # The first step includes compilation; do not let it squash the others.
-  if len(total) > 2:
-    typical = float(np.percentile(total[1:], 95))
-    if total[0] > 3 * typical > 0:
-      top = 1.6 * typical
-      ax.set_ylim(0, top)
-      ax.annotate(f"step {steps[0]}: {total[0]:.1f} s (includes compilation; off scale)",
-                  (steps[0], top), xytext=(8, -14), textcoords="offset points", fontsize=8,
-                  arrowprops=dict(arrowstyle="->", color="gray"), va="top")
+  if len(total) > 2 and total[0] > 3 * typical > 0:
+    top = 1.6 * typical
+    ax.set_ylim(0, top)
+    ax.annotate(f"step {steps[0]}: {total[0] / scale:.1f} s in all (includes compilation;\n"
+                f"generation {gen[0] / scale:.1f} s, update {upd[0] / scale:.1f} s; bar cut "
+                f"off)", (steps[0], top), xytext=(30, -10), textcoords="offset points",
+                fontsize=8, va="top",
+                bbox=dict(boxstyle="round", fc="white", ec="gray", alpha=0.9),
+                arrowprops=dict(arrowstyle="->", color="gray"))
   share = summarize(run)["generation_share"]
   title = "Time per step"
   if share is not None:
     title += f" (generation {100 * share:.0f}% of the time after step {steps[0]})"
   ax.set_title(title)
   ax.set_xlabel("RL step")
-  ax.set_ylabel("wall-clock time (s)")
+  ax.set_ylabel(f"wall-clock time ({unit})")
   _integer_steps(ax)
   ax.legend(loc="upper right", fontsize=8)
   return _save(fig, path)
@@ -375,19 +393,24 @@ def plot_time(run: Run, path: str) -> str | None:
 
 def plot_tokens(run: Run, path: str) -> str | None:
   curves = [("ledger/tokens_generated", "generated", "tab:orange", "-"),
-            ("ledger/tokens_trained", "trained on", "tab:blue", "-"),
+            ("ledger/tokens_trained", "trained on (fresh + replayed)", "tab:blue", "-"),
             ("ledger/tokens_zero_adv", "in zero-advantage groups (no gradient signal)",
              "tab:red", "--"),
+            ("ledger/tokens_discarded", "discarded by dynamic filtering", "tab:brown", ":"),
             ("ledger/tokens_replayed", "replayed from the buffer", "tab:green", "-.")]
-  present = [(k, *rest) for k, *rest in curves if len(run.series(k, train_only=True)[0])]
+  present = []
+  for key, label, color, ls in curves:
+    steps, v = run.series(key, train_only=True)
+    # Features that were off log zeros (replay, dynamic filtering): leave them out.
+    if len(steps) and (key in ("ledger/tokens_generated", "ledger/tokens_trained") or
+                       np.any(v != 0)):
+      present.append((steps, np.cumsum(v), label, color, ls))
   if not present:
     return None
   fig, (ax,) = _figure()
-  for key, label, color, ls in present:
-    steps, v = run.series(key, train_only=True)
-    cum = np.cumsum(v)
+  for steps, cum, label, color, ls in present:
     ax.plot(steps, cum, color=color, ls=ls, lw=2, label=f"{label}: {_tokens(cum[-1])}")
-  ax.set_title("Token ledger (cumulative)")
+  ax.set_title("Token ledger (cumulative over the run)")
   ax.set_xlabel("RL step")
   ax.set_ylabel("tokens (cumulative)")
   ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
@@ -432,7 +455,10 @@ def plot_pass_rate(run: Run, path: str) -> str | None:
   ax2.set_xlabel("RL step")
   ax2.set_ylabel("pass-rate bin")
   ax2.set_title("Chosen prompts per pass-rate bin over the run", fontsize=10)
-  fig.colorbar(image, ax=ax2, label="prompts")
+  ax2.grid(False)
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=g-import-not-at-top
+  fig.colorbar(image, ax=ax2, label="prompts chosen in the step",
+               ticks=MaxNLocator(integer=True))
   _integer_steps(ax2)
   return _save(fig, path)
 

@@ -129,3 +129,21 @@ def constrain_batch(tree: Any, mesh: Mesh) -> Any:
   return jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(
           x, batch_sharding(mesh, x.ndim) if x.ndim else replicated(mesh)), tree)
+
+
+def put(tree: Any, shardings: Any) -> Any:
+  """Host numpy (or device) arrays -> global arrays with the given sharding(s).
+
+  Every process passes the same full host array (as each loads the same data); this works in
+  single- and multi-process runs alike, unlike a plain device_put of a global sharding.
+  """
+  if not isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(put, tree, shardings)
+  sharding = shardings
+
+  def one(x):
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+  return jax.tree.map(one, tree)

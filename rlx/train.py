@@ -85,6 +85,7 @@ class StepConfig:
   selection: selection.SelectionConfig = selection.SelectionConfig()
   replay: replay_lib.ReplayConfig | None = None
   length: length_lib.LengthConfig = length_lib.LengthConfig()
+  reward_range: tuple[float, float] = (-10.0, 10.0)  # rewards outside stop the run
 
   @property
   def batch_size(self) -> int:
@@ -200,6 +201,8 @@ def score(state: TrainState, batch: Batch, rewards, *, cfg: StepConfig,
   """Task rewards -> shaped rewards, selector update, dynamic filtering, group advantages."""
   g = cfg.group_size
   correct = rewards.astype(jnp.float32)
+  lo, hi = cfg.reward_range
+  invalid = ~jnp.isfinite(correct) | (correct < lo) | (correct > hi)
   if cfg.length.overlong_shaping:
     rewards = correct + length_lib.overlong_penalty(
         batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
@@ -211,6 +214,11 @@ def score(state: TrainState, batch: Batch, rewards, *, cfg: StepConfig,
         state.selector, cfg.selection, batch.prompt_ids[::g], groups, state.step))
   lengths = batch.lengths.astype(jnp.float32)
   stats = dict(batch.stats)
+  # Checked on the host after the step: the loop names the offending example.
+  stats["reward/invalid_count"] = invalid.sum().astype(jnp.float32)
+  first = jnp.argmax(invalid)
+  stats["reward/first_invalid_prompt"] = batch.prompt_ids[first].astype(jnp.float32)
+  stats["reward/first_invalid_value"] = jnp.where(invalid.any(), correct[first], 0.0)
   stats["ledger/tokens_generated"] = lengths.sum()
   stats["ledger/groups_sampled"] = jnp.asarray(groups.shape[0], jnp.float32)
   if cfg.selection.dynamic_filter:
@@ -239,6 +247,11 @@ def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   """generate + score with the task's jnp verifier: the rollout half of the fused step."""
   state, batch = generate(state, pool, graphdef=graphdef, cfg=cfg, mesh=mesh)
   return score(state, batch, batch.rewards, cfg=cfg, mesh=mesh)
+
+
+def _unminibatch(x):
+  """Inverse of `_minibatches` for one array: [m, B/m, ...] -> [B, ...]."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
 def _minibatches(tree, m: int):
@@ -277,14 +290,19 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
       batch, replayed = shd.constrain_batch((batch, replayed), mesh)
   temp = cfg.sampling.policy_temperature
   logp_fn = functools.partial(completion_logprobs, graphdef, temperature=temp)
+  seqs = (batch.prompts, batch.prompt_lens, batch.completions, batch.lengths)
+
+  def batch_logprobs(params):
+    # Minibatch by minibatch: only one minibatch's logits are live at a time.
+    lp, m = jax.lax.map(lambda x: logp_fn(params, *x), _minibatches(seqs, cfg.num_minibatches))
+    return _unminibatch(lp), _unminibatch(m)
+
   # pi_old: the proximal policy of decoupled PPO, recomputed by the trainer.
-  old_logp, mask = logp_fn(state.params, batch.prompts, batch.prompt_lens, batch.completions,
-                           batch.lengths)
+  old_logp, mask = batch_logprobs(state.params)
   old_logp = jax.lax.stop_gradient(old_logp)
   ref_logp = None
   if cfg.loss.kl_coef > 0:
-    ref_logp, _ = logp_fn(state.ref_params, batch.prompts, batch.prompt_lens,
-                          batch.completions, batch.lengths)
+    ref_logp, _ = batch_logprobs(state.ref_params)
   data = {"batch": batch, "old_logp": old_logp, "ref_logp": ref_logp}
 
   def loss_fn(params, d):
@@ -295,11 +313,18 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
 
   def minibatch_step(carry, d):
     params, opt_state = carry
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, d)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    return (params, opt_state), metrics
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, d)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # Numeric guard: an update with a non-finite loss, gradient or result is skipped (params
+    # and optimizer state unchanged) and counted; the host loop stops after K in a row.
+    all_finite = lambda tree: jnp.all(jnp.stack(
+        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+    finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(new_params)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    metrics["grad_norm"] = jnp.where(finite, optax.tree.norm(grads), 0.0)
+    metrics["guard/skipped_updates"] = (~finite).astype(jnp.float32)
+    return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
 
   mbs = _minibatches({**data, "batch": data["batch"].replace(stats={})}, cfg.num_minibatches)
 
@@ -308,7 +333,9 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
 
   (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), None,
                                               length=cfg.num_updates)
+  skipped = metrics.pop("guard/skipped_updates").sum()
   metrics = jax.tree.map(jnp.mean, metrics)
+  metrics["guard/skipped_updates"] = skipped
   metrics.update(ledger(fresh, batch, mask, old_logp, replayed, state.policy_version, cfg))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             policy_version=state.policy_version + cfg.num_updates *
@@ -419,7 +446,7 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
             replay.capacity, prompt_width, max_new_tokens))
   abstract = jax.eval_shape(make, params)
   shardings = state_shardings(abstract, mesh, rules)
-  params = jax.device_put(params, shardings.params)
+  params = shd.put(params, shardings.params)
   return jax.jit(make, out_shardings=shardings)(params)
 
 

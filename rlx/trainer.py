@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -19,14 +21,14 @@ import ml_collections as mlc
 import numpy as np
 
 from rlx import checkpoint as ckpt_lib
-from rlx import configs, evaluate, experiment, metrics as metrics_lib, train
+from rlx import configs, evaluate, experiment, memory, metrics as metrics_lib, train
 from rlx import sharding as shd
 
 
 def _check_workdir(workdir: str) -> None:
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, ".rlx_write_probe")
+    probe = os.path.join(workdir, f".rlx_write_probe{jax.process_index()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
@@ -44,7 +46,9 @@ def step_config(config: mlc.ConfigDict, tokenizer) -> train.StepConfig:
       sampling=configs.sampling_params(config, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                        stop_ids=stop_ids),
       sampler_impl=config.sampler.impl, selection=configs.selection_config(config),
-      replay=configs.replay_config(config), length=configs.length_config(config))
+      replay=configs.replay_config(config), length=configs.length_config(config),
+      reward_range=tuple(float(x) for x in config.get("guard", {}).get(
+          "reward_range", (-10.0, 10.0))))
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -65,13 +69,17 @@ class Setup:
   fns: train.StepFns
 
 
-def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print
-          ) -> Setup:
-  """Validates the config, prepares data / tokenizer / base model, compiles nothing yet."""
-  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print,
+          devices=None) -> Setup:
+  """Validates the config, prepares data / tokenizer / base model, compiles nothing yet.
+
+  devices: the devices of the mesh (default: all devices of all processes).
+  """
+  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
   configs.validate(config, shd.batch_size_of(mesh))
   _check_workdir(workdir)
-  ckpt_lib.save_json(os.path.join(workdir, "config.json"), configs.to_plain(config))
+  if jax.process_index() == 0:
+    ckpt_lib.save_json(os.path.join(workdir, "config.json"), configs.to_plain(config))
   has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
       name.isdigit() for name in os.listdir(os.path.join(workdir, "checkpoints")))
   exp = experiment.setup(config, workdir, log=log, resuming=has_checkpoints)
@@ -80,6 +88,12 @@ def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = 
       f"{exp.base_source}")
   log(f"[rlx] mesh {dict(mesh.shape)}; RL pool {exp.train_pool.size} prompts (levels "
       f"{tuple(config.task.rl_levels)}), eval {exp.eval_pool.size} prompts")
+  mem = memory.plan(config, exp.model_cfg, dict(mesh.shape), num_prompts=exp.train_pool.size,
+                    prompt_width=exp.train_pool.max_prompt_len)
+  log(f"[rlx] memory plan: peak {memory.human(mem.peak)} per device of "
+      f"{memory.human(mem.capacity)} ({mem.peak_phase}); --dry_run prints the whole plan")
+  if config.get("memory", {}).get("check", True):
+    memory.check_fits(mem)
   cfg = step_config(config, exp.tokenizer)
   tx = train.make_optimizer(config.optim.lr, config.total_steps,
                             warmup_steps=config.optim.warmup_steps,
@@ -96,10 +110,84 @@ def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = 
   return Setup(config=config, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns)
 
 
+def dry_run(config: mlc.ConfigDict, workdir: str, *, devices=None) -> tuple[Any, str]:
+  """The memory plan of a run, without data, weights or compilation: (plan, text).
+
+  The model shape comes from config.model.path's config.json (weights are not read) or from
+  config.model (vocabulary: the workdir's tokenizer if present, else
+  config.tokenizer.vocab_size, an upper bound).
+  """
+  from rlx.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  from rlx.model import hf  # pylint: disable=g-import-not-at-top
+  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+  configs.validate(config, shd.batch_size_of(mesh))
+  if config.model.get("path", ""):
+    model_cfg = hf.config_from_hf(hf.read_config(config.model.path),
+                                  dtype=config.model.get("dtype", "float32"),
+                                  param_dtype=config.model.get("param_dtype", None))
+  else:
+    tok_path = os.path.join(workdir, "tokenizer.model")
+    vocab = (Tokenizer.load(tok_path).vocab_size if os.path.exists(tok_path)
+             else config.tokenizer.vocab_size)
+    model_cfg = configs.model_config(config, vocab)
+  plan = memory.plan(config, model_cfg, dict(mesh.shape))
+  text = (f"model: {model_cfg.num_params() / 1e6:.1f}M params, {model_cfg.num_layers} layers, "
+          f"d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}\n" +
+          memory.format_plan(plan))
+  return plan, text
+
+
+class Preempted(Exception):
+  """Raised after a SIGTERM / SIGINT once the current step's checkpoint is saved."""
+
+
+class NumericError(RuntimeError):
+  """Training produced non-finite values K steps in a row, or invalid rewards."""
+
+
+def _fault(point: str, step: int) -> None:
+  """Test hook: RLX_FAULT="kill_after_rollout:5,kill_in_save:4" SIGKILLs this process there."""
+  for item in filter(None, os.environ.get("RLX_FAULT", "").split(",")):
+    name, _, at = item.partition(":")
+    if name == point and int(at) == step:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _SignalFlag:
+  """Remembers SIGTERM / SIGINT so the loop can checkpoint and stop at a step boundary."""
+
+  def __init__(self):
+    self.signum = None
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signum is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C: stop now
+    self.signum = signum
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
 def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print,
-        show_progress: bool = True) -> dict[str, Any]:
-  """Trains per `config` in `workdir`; returns a summary (accuracy before/after, timings)."""
-  setup = build(config, workdir, log=log)
+        show_progress: bool = True, devices=None) -> dict[str, Any]:
+  """Trains per `config` in `workdir`; returns a summary (accuracy before/after, timings).
+
+  Rerunning with the same workdir resumes from the last checkpoint; SIGTERM / SIGINT save
+  a checkpoint at the end of the current step and raise `Preempted`.
+  """
+  main_process = jax.process_index() == 0
+  if not main_process:
+    log, show_progress = (lambda s: None), False
+  setup = build(config, workdir, log=log, devices=devices)
   exp, mesh, fns, state = setup.exp, setup.mesh, setup.fns, setup.state
   tok = exp.tokenizer
   abstract = jax.eval_shape(lambda: state)
@@ -121,55 +209,80 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
   band = tuple(config.task.band)
   base_eval_path = os.path.join(workdir, "eval_base.json")
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
-                                   resume_step=start if latest is not None else None)
+                                   resume_step=start if latest is not None else None,
+                                   enabled=main_process)
   if latest is None or not os.path.exists(base_eval_path):
     base_eval = evaluator(state.params)
     base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
-    ckpt_lib.save_json(base_eval_path, base_eval)
+    if main_process:
+      ckpt_lib.save_json(base_eval_path, base_eval)
     if latest is None:
       writer.write(0, base_eval)
-  with open(base_eval_path) as f:
-    base_eval = json.load(f)
+  else:
+    with open(base_eval_path) as f:
+      base_eval = json.load(f)
   log("[rlx] before RL: " + _fmt_eval(base_eval, band))
 
-  pool = jax.device_put(exp.train_pool, fns.pool_sharding)
+  pool = shd.put(exp.train_pool, fns.pool_sharding)
+  max_skips = int(config.get("guard", {}).get("max_consecutive_skips", 3))
+  updates_per_step = setup.step_cfg.num_updates * setup.step_cfg.num_minibatches
   bar = metrics_lib.progress(config.total_steps, initial=start, disable=not show_progress)
   last_eval = base_eval if start == 0 else {}
   gen_times, upd_times, tok_rates = [], [], []
+  skipped_in_a_row = 0
+  done = start
   try:
-    for step in range(start, config.total_steps):
-      t0 = time.perf_counter()
-      if config.fused_step:
-        state, m = fns.train_step(state, pool)
-        m = jax.device_get(m)
-        t_gen, t_upd = time.perf_counter() - t0, 0.0
-      else:
-        state, batch = fns.rollout(state, pool)
-        jax.block_until_ready(batch)
-        t1 = time.perf_counter()
-        state, m = fns.update(state, batch)
-        m = jax.device_get(m)
-        t_gen, t_upd = t1 - t0, time.perf_counter() - t1
-      m = {k: float(v) for k, v in m.items()}
-      m["time/generate_s"] = t_gen
-      m["time/update_s"] = t_upd
-      m["time/step_s"] = t_gen + t_upd
-      m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
-      if step > start:  # the first step of a process includes compilation
-        gen_times.append(t_gen)
-        upd_times.append(t_upd)
-        tok_rates.append(m["ledger/generated_tokens_per_s"])
-      done = step + 1
-      if done % config.eval_every == 0 or done == config.total_steps:
-        last_eval = evaluator(state.params)
-        last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
-        m.update(last_eval)
-      writer.write(done, m)
-      bar.update(1)
-      bar.set_postfix({**metrics_lib.postfix(m), **(
-          {"eval": f"{last_eval['eval/band_accuracy']:.3f}"} if last_eval else {})})
-      if done % config.checkpoint_every == 0 or done == config.total_steps:
-        ckpt.save(done, state, meta)
+    with _SignalFlag() as stop:
+      for step in range(start, config.total_steps):
+        t0 = time.perf_counter()
+        if config.fused_step:
+          state, m = fns.train_step(state, pool)
+          m = jax.device_get(m)
+          t_gen, t_upd = time.perf_counter() - t0, 0.0
+        else:
+          state, batch = fns.rollout(state, pool)
+          jax.block_until_ready(batch)
+          _fault("kill_after_rollout", step + 1)
+          t1 = time.perf_counter()
+          state, m = fns.update(state, batch)
+          m = jax.device_get(m)
+          t_gen, t_upd = t1 - t0, time.perf_counter() - t1
+        m = {k: float(v) for k, v in m.items()}
+        _check_rewards(m, exp, config)
+        m["time/generate_s"] = t_gen
+        m["time/update_s"] = t_upd
+        m["time/step_s"] = t_gen + t_upd
+        m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
+        if step > start:  # the first step of a process includes compilation
+          gen_times.append(t_gen)
+          upd_times.append(t_upd)
+          tok_rates.append(m["ledger/generated_tokens_per_s"])
+        done = step + 1
+        skipped_in_a_row = (skipped_in_a_row + 1
+                            if m["guard/skipped_updates"] >= updates_per_step else 0)
+        if done % config.eval_every == 0 or done == config.total_steps:
+          last_eval = evaluator(state.params)
+          last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
+          m.update(last_eval)
+        writer.write(done, m)
+        bar.update(1)
+        bar.set_postfix({**metrics_lib.postfix(m), **(
+            {"eval": f"{last_eval['eval/band_accuracy']:.3f}"} if last_eval else {})})
+        if skipped_in_a_row >= max_skips:
+          raise NumericError(
+              f"{skipped_in_a_row} consecutive steps (up to step {done}) had a non-finite loss "
+              f"or gradient in every update and were skipped (config.guard."
+              f"max_consecutive_skips={max_skips}). Lower config.optim.lr, check the rewards, "
+              f"or resume from the last checkpoint in {ckpt.directory}.")
+        if stop.signum is not None:
+          ckpt.save(done, state, meta, force=True)
+          ckpt.wait()
+          raise Preempted(
+              f"stopped by {signal.Signals(stop.signum).name} after step {done}; checkpoint "
+              f"saved to {ckpt.directory}/{done}. Rerun the same command to resume.")
+        if done % config.checkpoint_every == 0 or done == config.total_steps:
+          ckpt.save(done, state, meta)
+          _fault("kill_in_save", done)
   finally:
     bar.close()
     writer.close()
@@ -190,6 +303,16 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
           "median_generate_s": float(np.median(gen_times)) if gen_times else None,
           "median_update_s": float(np.median(upd_times)) if upd_times else None,
           "state": state}
+
+
+def _check_rewards(m: dict[str, float], exp: experiment.Experiment, config) -> None:
+  if m.get("reward/invalid_count", 0) > 0:
+    pid = int(m["reward/first_invalid_prompt"])
+    lo, hi = config.get("guard", {}).get("reward_range", (-10.0, 10.0))
+    raise NumericError(
+        f"task {config.task.name!r}: reward {m['reward/first_invalid_value']} for train "
+        f"example {pid} (prompt {exp.train_host.prompts[pid]!r}) is non-finite or outside "
+        f"[{lo}, {hi}] ({int(m['reward/invalid_count'])} such rollouts in this step).")
 
 
 def _fmt_eval(m: dict[str, float], band) -> str:

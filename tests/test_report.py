@@ -127,3 +127,12 @@ def test_cli_prints_summary_and_fails_clearly_without_metrics(tmp_path):
                        capture_output=True, text=True, timeout=60, env=env)
   assert out.returncode == 2
   assert "metrics.jsonl does not exist; expected the WORKDIR of an rlx run" in out.stderr
+
+
+def test_fused_step_runs_do_not_claim_a_generation_share(tmp_path):
+  synthetic_run(str(tmp_path), steps=4, eval_every=2)
+  cfg = json.load(open(tmp_path / "config.json"))
+  json.dump({**cfg, "fused_step": True}, open(tmp_path / "config.json", "w"))
+  rep = report.make_report(str(tmp_path))
+  assert "(fused step: generation and update not timed apart)" in rep.summary
+  assert report.summarize(report.load_run(str(tmp_path)))["generation_share"] is None

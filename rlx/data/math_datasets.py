@@ -152,7 +152,7 @@ _PARSERS = {"gsm8k": parse_gsm8k_row, "math": parse_math_row}
 def read_jsonl_examples(path: str, kind: str, split: str) -> Iterator[dict]:
   """Parses one JSONL file into examples; errors name the file and line."""
   parse = _PARSERS[kind]
-  with open(path, encoding="utf-8") as f:
+  with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
     for line_no, line in enumerate(f, start=1):
       if not line.strip():
         continue

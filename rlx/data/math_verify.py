@@ -68,8 +68,9 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
-_NUMBER_IN_TEXT = re.compile(r"(?<![\w.])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
-_ANSWER_IS = re.compile(r"(?:final\s+)?answer\s+is\s*:?\s*(.+)", re.IGNORECASE)
+_NUMBER_IN_TEXT = re.compile(
+    r"(?<![\w.])(?:-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+)")
+_ANSWER_IS = re.compile(r"(?:final\s+)?answer\s+is\b\s*:?\s*(.+)", re.IGNORECASE)
 
 
 def extract_answer(completion: str) -> str | None:
@@ -253,9 +254,6 @@ def _parse_number(s: str) -> Fraction | None:
 
 # ---- lists -----------------------------------------------------------------------------------
 
-_OPEN = {"(": ")", "[": "]", "\\{": "\\}"}
-
-
 def _split_top_level(s: str) -> list[str]:
   parts, depth, cur, i = [], 0, [], 0
   while i < len(s):
@@ -276,9 +274,8 @@ def _split_top_level(s: str) -> list[str]:
 
 def _as_sequence(s: str) -> tuple[str, str, list[str]] | None:
   """(open, close, items) for `(a,b)`, `[a,b)`, `\\{a,b\\}` or `a,b`; None for one item."""
-  for open_, close_ in (("\\{", "\\}"),):
-    if s.startswith(open_) and s.endswith(close_):
-      return "{", "}", _split_top_level(s[len(open_):-len(close_)])
+  if s.startswith("\\{") and s.endswith("\\}"):
+    return "{", "}", _split_top_level(s[2:-2])
   if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
     inner = s[1:-1]
     if _balanced(inner):

@@ -630,7 +630,7 @@ def load_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None
     shardings = {sharding_lib.path_str(k): s for k, s in jax.tree_util.tree_flatten_with_path(
         sharding_lib.param_shardings(abstract, mesh, rules or sharding_lib.DEFAULT_RULES))[0]}
   else:
-    single = SingleDeviceSharding(jax.devices()[0])
+    single = SingleDeviceSharding(jax.local_devices()[0])
     shardings = {p: single for p in expected}
 
   np_dtype = np.dtype(cfg.weight_dtype)

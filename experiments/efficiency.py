@@ -1,0 +1,252 @@
+r"""Tokens-to-target benchmark: does rlx reach the same accuracy with fewer generated tokens?
+
+All arms start from the same warm-start model (experiments/arith.py's) and train on the same
+prompt pool, which mixes solved (2-digit), uncertain (3-4 digit, the band) and impossible
+(5-digit) problems, as a real RL data set does. Accuracy is greedy, held-out, on the band.
+
+  B0     plain GRPO: uniform prompts, fresh rollouts only
+  B1     B0 + DAPO dynamic filtering (2x oversampling, zero-variance groups dropped)
+  S      pass-rate selection (--select_mode, default band)
+  R      replay ring (decoupled-PPO correction)
+  S+R    both
+  S+R+L  both + DAPO overlong shaping and filtering
+
+The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
+mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
+floored to 0.01 ("where B0 gets"). For each arm and seed the
+generated tokens (including discarded ones) at the first evaluation reaching the target are
+recorded; runs that never reach it are censored. Ratios to B0 use medians, with a bootstrap
+interval over seeds.
+
+  python experiments/efficiency.py --quick --workdir_root=/tmp/rlx_eff     # <= 15 min
+  python experiments/efficiency.py --workdir_root=/tmp/rlx_eff_full          # <= 90 min
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+_ROOT = flags.DEFINE_string("workdir_root", "/tmp/rlx_efficiency", "Where runs go.")
+_QUICK = flags.DEFINE_bool("quick", False, "Short runs (<= 15 min on 2 cores).")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per arm.")
+_STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0: 60 quick, 150 full).")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Steps between evals (0: 5).")
+_SELECT = flags.DEFINE_string("select_mode", "band", "Selection mode of the S arms.")
+_ARMS = flags.DEFINE_list("arms", ["B0", "B1", "S", "R", "S+R", "S+R+L"], "Arms to run.")
+_BASE_DIR = flags.DEFINE_string("base_dir", "", "A warm-start dir to reuse (else made).")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def arm_overrides(arm: str, select_mode: str) -> dict:
+  o = {}
+  if arm == "B1":
+    o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
+  if "S" in arm.split("+"):
+    o["selection.mode"] = select_mode
+  if "R" in arm.split("+"):
+    o.update({"replay.enabled": True, "replay.num_samples": 64, "replay.capacity": 1024,
+              "replay.max_staleness": 4, "replay.max_reuse": 2})
+  if "L" in arm.split("+"):
+    o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
+  return o
+
+
+def make_config(steps: int, eval_every: int, seed: int, base_dir: str, overrides: dict):
+  sys.path.insert(0, HERE)
+  import arith  # pylint: disable=g-import-not-at-top
+  c = arith.get_config("")
+  c.unlock()
+  c.seed = seed
+  c.total_steps = steps
+  c.eval_every = eval_every
+  c.checkpoint_every = steps
+  c.task.rl_levels = (2, 3, 4, 5)
+  c.task.eval_levels = (3, 4)
+  c.warm_start.dir = base_dir
+  c.task.data_dir = os.path.join(os.path.dirname(os.path.abspath(base_dir)), "data")
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  c.lock()
+  return c
+
+
+def run_one(config, workdir: str) -> dict:
+  """Trains (or reads a finished run) and returns its accuracy-vs-tokens curve."""
+  from rlx import trainer  # pylint: disable=g-import-not-at-top
+  from rlx.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  done_path = os.path.join(workdir, "efficiency_run.json")
+  if os.path.exists(done_path):
+    with open(done_path) as f:
+      return json.load(f)
+  t0 = time.time()
+  trainer.run(config, workdir, log=lambda s: None, show_progress=False)
+  wall = time.time() - t0
+  tokens, curve = 0.0, []
+  for line in read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+    tokens += line.get("ledger/tokens_generated", 0.0)
+    if "eval/band_accuracy" in line:
+      curve.append((line["step"], tokens, line["eval/band_accuracy"]))
+  out = {"curve": curve, "wall_s": wall}
+  with open(done_path, "w") as f:
+    json.dump(out, f)
+  return out
+
+
+def tokens_to_target(curve, target):
+  for _, tokens, acc in curve:
+    if acc >= target - 1e-9:
+      return tokens
+  return math.inf
+
+
+def accuracy_at(curve, budget):
+  """Band accuracy of the last eval at or before `budget` generated tokens."""
+  acc = curve[0][2]
+  for _, tokens, a in curve:
+    if tokens <= budget:
+      acc = a
+  return acc
+
+
+def bootstrap_ratio(x, y, n=2000, seed=0):
+  """Median(x)/median(y) with a 90% bootstrap interval over seeds (inf = censored)."""
+  rng = np.random.default_rng(seed)
+  x, y = np.asarray(x, float), np.asarray(y, float)
+  ratios = []
+  for _ in range(n):
+    mx = np.median(rng.choice(x, len(x)))
+    my = np.median(rng.choice(y, len(y)))
+    ratios.append(mx / my if np.isfinite(my) and my > 0 else math.nan)
+  ratios = np.asarray(ratios)
+  ratios = ratios[~np.isnan(ratios)]
+  if not len(ratios):
+    return math.nan, (math.nan, math.nan)
+  point = np.median(x) / np.median(y) if np.isfinite(np.median(y)) else math.nan
+  return point, (float(np.quantile(ratios, 0.05)), float(np.quantile(ratios, 0.95)))
+
+
+def fmt_tokens(t):
+  return "censored" if not np.isfinite(t) else f"{t / 1e3:.1f}k"
+
+
+def main(_):
+  quick = _QUICK.value
+  steps = _STEPS.value or (60 if quick else 150)
+  eval_every = _EVAL_EVERY.value or 5
+  root = _ROOT.value
+  os.makedirs(root, exist_ok=True)
+  t_start = time.time()
+
+  base_dir = _BASE_DIR.value or os.path.join(root, "base_run", "base")
+  if not os.path.exists(os.path.join(base_dir, "model.safetensors")):
+    print(f"[efficiency] warm start -> {base_dir}", flush=True)
+    from rlx import experiment  # pylint: disable=g-import-not-at-top
+    experiment.setup(make_config(1, 1, 0, "", {}), os.path.dirname(base_dir),
+                     log=lambda s: None)
+
+  print(f"[efficiency] pilot B0 (seed 100), {steps} steps", flush=True)
+  pilot = run_one(make_config(steps, eval_every, 100, base_dir, {}),
+                  os.path.join(root, "pilot_B0"))
+  base_acc, pilot_final = pilot["curve"][0][2], pilot["curve"][-1][2]
+  late = [acc for step, _, acc in pilot["curve"] if step >= 2 * steps / 3]
+  target = math.floor(100 * (float(np.mean(late)) - 0.02)) / 100
+  print(f"[efficiency] base band accuracy {base_acc:.3f}; pilot B0 final {pilot_final:.3f}; "
+        f"target fixed at {target:.2f}", flush=True)
+
+  results = {}
+  for arm in _ARMS.value:
+    for seed in range(_SEEDS.value):
+      wd = os.path.join(root, arm.replace("+", "_"), f"seed{seed}")
+      cfg = make_config(steps, eval_every, seed, base_dir, arm_overrides(arm, _SELECT.value))
+      r = run_one(cfg, wd)
+      results.setdefault(arm, []).append(r)
+      print(f"[efficiency] {arm:6s} seed {seed}: final {r['curve'][-1][2]:.3f}, tokens "
+            f"{r['curve'][-1][1] / 1e3:.1f}k, to target {fmt_tokens(tokens_to_target(r['curve'], target))}, "
+            f"{r['wall_s']:.0f}s", flush=True)
+
+  budget = min(r["curve"][-1][1] for rs in results.values() for r in rs)
+  ttt = {a: [tokens_to_target(r["curve"], target) for r in rs] for a, rs in results.items()}
+  lines = [
+      f"Target band accuracy {target:.2f} (base {base_acc:.3f}, pilot B0 final "
+      f"{pilot_final:.3f}); {steps} steps per run, {_SEEDS.value} seeds per arm; accuracy at "
+      f"a fixed budget of {budget / 1e3:.1f}k generated tokens.",
+      "",
+      "| arm | tokens to target (median) | per seed | ratio vs B0 (90% CI) | reached | "
+      "acc @ budget | final acc | wall s (median) |",
+      "|---|---|---|---|---|---|---|---|",
+  ]
+  table = {}
+  for arm, rs in results.items():
+    t = np.asarray(ttt[arm])
+    med = float(np.median(t))
+    if "B0" in ttt and arm != "B0":
+      point, (lo, hi) = bootstrap_ratio(ttt["B0"], t)
+      ratio = f"{point:.2f}x ({lo:.2f}-{hi:.2f})" if np.isfinite(point) else "n/a (censored)"
+    else:
+      ratio = "1.00x"
+    acc_b = np.median([accuracy_at(r["curve"], budget) for r in rs])
+    final = np.median([r["curve"][-1][2] for r in rs])
+    wall = np.median([r["wall_s"] for r in rs])
+    reached = int(np.isfinite(t).sum())
+    lines.append(f"| {arm} | {fmt_tokens(med)} | {', '.join(fmt_tokens(x) for x in t)} | "
+                 f"{ratio} | {reached}/{len(t)} | {acc_b:.3f} | {final:.3f} | {wall:.0f} |")
+    table[arm] = {"tokens_to_target": [None if not np.isfinite(x) else x for x in t],
+                  "acc_at_budget": float(acc_b), "final": float(final), "wall_s": float(wall)}
+  text = "\n".join(lines)
+  print("\n" + text)
+  print("\n(ratio = B0 tokens / arm tokens: >1 means the arm needs fewer generated tokens)")
+  with open(os.path.join(root, "results.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(root, "results.json"), "w") as f:
+    json.dump({"target": target, "base": base_acc, "pilot_final": pilot_final,
+               "steps": steps, "arms": table,
+               "curves": {a: [r["curve"] for r in rs] for a, rs in results.items()}}, f)
+  plot(results, target, base_acc, os.path.join(root, "efficiency.png"))
+  print(f"\n[efficiency] wrote {root}/results.md, results.json, efficiency.png "
+        f"in {(time.time() - t_start) / 60:.1f} min")
+
+
+def plot(results, target, base_acc, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(8, 5))
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, (arm, rs) in enumerate(results.items()):
+    c = colors[i % len(colors)]
+    for j, r in enumerate(rs):
+      tok = [p[1] / 1e3 for p in r["curve"]]
+      acc = [p[2] for p in r["curve"]]
+      ax.plot(tok, acc, color=c, alpha=0.35, lw=1)
+    # Median curve over seeds on the common eval steps.
+    steps = [p[0] for p in rs[0]["curve"]]
+    tok = np.median([[p[1] for p in r["curve"]] for r in rs], axis=0) / 1e3
+    acc = np.median([[p[2] for p in r["curve"]] for r in rs], axis=0)
+    ax.plot(tok, acc, color=c, lw=2.5, label=arm)
+    del steps
+  ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.2f}")
+  ax.axhline(base_acc, color="gray", ls=":", lw=1, label=f"base {base_acc:.2f}")
+  ax.set_xlabel("generated tokens (thousands, incl. discarded)")
+  ax.set_ylabel("held-out greedy accuracy, 3-4 digit band")
+  ax.set_title("Accuracy vs generated tokens (thin: seeds, thick: median)")
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  app.run(main)

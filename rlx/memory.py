@@ -1,0 +1,462 @@
+"""Per-device memory plan of a run, from its config and mesh shape, before compiling anything.
+
+    p = plan(config, model_cfg, {"data": 2, "fsdp": 8})   # any mesh size, no devices needed
+    print(format_plan(p))                                  # table, peak, capacity, FITS
+    check_fits(p)                                          # ConfigError when it cannot fit
+
+What is resident depends on the phase of a step, so every line belongs to one:
+
+  state      always resident: params, optimizer moments, reference params (kl_coef > 0),
+             selector, prompt pool, replay ring.
+  rollout    the sampler of one training step (KV cache / page pool, its temporaries).
+  eval       the dense greedy sampler over `sampler.eval_batch_size` prompts.
+  update     both halves of the update: the training batch and its old / ref log-probs;
+  logp         pi_old recomputed by one forward over the WHOLE training batch (no grad);
+  grad         one minibatch's forward + backward: saved activations, f32 logits, grads.
+
+The peak is `state + max(rollout, eval, logp + update, grad + update)`. Parameters,
+optimizer state and the replay ring are exact (their shapes and the sharding rules, as
+`rlx.train.init_state` places them); KV caches follow the samplers' own layouts; activations
+are estimates from the model code (see `_layer_activation_bytes`) times a safety margin
+(`config.memory.activation_margin`, default 1.2). XLA's own temporaries (fusion and
+collective buffers, weight casts hoisted out of loops) are not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_collections as mlc
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from rlx import configs
+from rlx import sharding as shd
+from rlx import train
+from rlx.model import transformer
+from rlx.model.config import ModelConfig
+from rlx.rl import replay as replay_lib
+from rlx.rl import selection
+from rlx.sampler import paged
+
+# f32 [tokens, V] buffers: in the backward, logits, log-softmax, softmax (for its grad) and
+# the logits' gradient; in the pi_old forward, logits and log-softmax (measured, XLA:CPU).
+_LOGITS_GRAD_COPIES = 4
+_LOGITS_FWD_COPIES = 2
+PHASES = ("rollout", "eval", "logp", "grad")  # never live at the same time
+_LIVE_IN = {"state": PHASES, "rollout": ("rollout",), "eval": ("eval",),
+            "update": ("logp", "grad"), "logp": ("logp",), "grad": ("grad",)}
+DEFAULT_ACTIVATION_MARGIN = 1.2
+
+_HINT_FSDP = "more FSDP (config.mesh.fsdp)"
+_HINT_BF16 = "bf16 master weights (config.model.param_dtype='bfloat16')"
+_HINT_PROMPTS = "fewer config.rl.prompts_per_step (or a smaller rl.group_size)"
+_HINT_MINIBATCH = "more config.rl.num_minibatches"
+_HINT_POOL = ("a smaller KV pool (config.sampler.paged.num_pages / max_slots) or a shorter "
+              "sampler.max_new_tokens")
+_HINT_REPLAY = "a smaller config.replay.capacity"
+_HINT_EVAL = "a smaller config.sampler.eval_batch_size"
+_ALL_HINTS = (_HINT_FSDP, _HINT_PROMPTS, _HINT_MINIBATCH, _HINT_BF16, _HINT_POOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryItem:
+  name: str
+  bytes: int  # per device (estimated lines include the safety margin)
+  formula: str  # how it was computed
+  phase: str  # a key of _LIVE_IN
+  hint: str = ""  # what shrinks it
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  items: tuple[MemoryItem, ...]
+  capacity_bytes: int
+  capacity_source: str
+  mesh_shape: dict[str, int]
+  activation_margin: float
+  notes: tuple[str, ...] = ()
+
+  def phase_bytes(self) -> dict[str, int]:
+    """Bytes live during each phase (state included)."""
+    return {ph: sum(it.bytes for it in self.items if ph in _LIVE_IN[it.phase])
+            for ph in PHASES}
+
+  @property
+  def peak_phase(self) -> str:
+    totals = self.phase_bytes()
+    return max(PHASES, key=lambda ph: totals[ph])
+
+  @property
+  def total_bytes(self) -> int:
+    """The peak over phases: what one device must hold."""
+    return self.phase_bytes()[self.peak_phase]
+
+  @property
+  def headroom_bytes(self) -> int:
+    return self.capacity_bytes - self.total_bytes
+
+  @property
+  def fits(self) -> bool:
+    return self.total_bytes <= self.capacity_bytes
+
+  def item(self, name: str) -> MemoryItem:
+    for it in self.items:
+      if it.name == name:
+        return it
+    raise KeyError(f"no memory item {name!r}; items are {[it.name for it in self.items]}")
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def device_memory_bytes(config: mlc.ConfigDict | None = None) -> tuple[int, str]:
+  """(bytes one device may use, where that number came from).
+
+  config.memory.device_bytes > 0 wins; else the accelerator's `bytes_limit`; else (CPU) the
+  host's RAM divided by the local device count.
+  """
+  override = int(_memory_section(config).get("device_bytes", 0) or 0)
+  if override < 0:
+    raise configs.ConfigError(f"config.memory.device_bytes={override}; expected 0 (auto) or "
+                              "a positive byte count.")
+  if override:
+    return override, "config.memory.device_bytes"
+  dev = jax.devices()[0]
+  try:
+    stats = dev.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except  (some backends do not implement it)
+    stats = {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{dev.platform} bytes_limit"
+  host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  n = jax.local_device_count()
+  return host // n, f"host RAM / {n} local {dev.platform} device(s)"
+
+
+def _memory_section(config) -> Mapping[str, Any]:
+  if config is None:
+    return {}
+  return config.get("memory", None) or {}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _nbytes(x) -> int:
+  return int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def _check_mesh(mesh_shape: Mapping[str, int]) -> dict[str, int]:
+  bad = sorted(set(mesh_shape) - set(shd.AXES))
+  if bad:
+    raise configs.ConfigError(f"mesh_shape has unknown axes {bad}; expected a subset of "
+                              f"{shd.AXES}.")
+  sizes = {a: mesh_shape.get(a, 1) for a in shd.AXES}
+  for a, s in sizes.items():
+    if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
+      raise configs.ConfigError(f"mesh_shape[{a!r}]={s!r}; expected a positive int (resolve "
+                                "-1 to the device count before planning).")
+  return {a: int(s) for a, s in sizes.items()}
+
+
+def _param_splits(abstract_params, mesh: AbstractMesh, rules) -> dict[str, tuple[Any, int]]:
+  """path -> (abstract leaf, number of devices its array is split over)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+    p = shd.path_str(path)
+    spec = shd.spec_for(p, leaf.shape, mesh, rules)
+    split = 1
+    for entry in spec:
+      for axis in (entry if isinstance(entry, tuple) else (entry,)):
+        if axis is not None:
+          split *= mesh.shape[axis]
+    out[p] = (leaf, split)
+  return out
+
+
+def _like_params_bytes(tree, splits: dict[str, tuple[Any, int]]) -> int:
+  """Per-device bytes of a tree of param-shaped leaves (matched as
+  `rlx.sharding.shardings_like_params` does: path suffix); other leaves are replicated."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    p = shd.path_str(path)
+    split = 1
+    for param_path, (param, s) in splits.items():
+      if (p == param_path or p.endswith("/" + param_path)) and leaf.shape == param.shape:
+        split = s
+        break
+    total += _nbytes(leaf) // split
+  return total
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _layer_activation_bytes(cfg: ModelConfig, seq: int) -> tuple[int, str]:
+  """Bytes per token per layer that the backward pass keeps (rlx.model.transformer, no remat).
+
+  c = compute dtype bytes. The residuals JAX saves per token and layer:
+    4 x d x c     residual input, input_norm output (q/k/v weight grads), residual after
+                  attention, pre_mlp_norm output (gate/up weight grads)
+    2 x d x 4     RMSNorm works in f32: one f32 copy of each norm's input
+    (Hq + 2Hkv) D c  q, k after rope (score grads) and v (PV grad); rope itself is linear
+    Hq D c        attention output (o_proj weight grad)
+    5 x F x c     gate, sigmoid(gate) (silu's jvp), silu(gate), up, silu(gate) * up
+    Hq S (8 + c)  f32 scores and softmax probabilities, and the probabilities cast to c for
+                  the PV matmul (no extra copy when c = 4)
+  Checked against XLA:CPU `memory_analysis()` of jax.grad of completion_logprobs over
+  vocab / layers / mlp_dim / heads sweeps (with _LOGITS_GRAD_COPIES and one layer's
+  backward scores): within 1% in f32, 5-15% under in bf16 (XLA:CPU upcasts bf16 math).
+  """
+  c = jnp.dtype(cfg.compute_dtype).itemsize
+  d, f, hq, hkv, hd = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  probs = 8 + (c if c != 4 else 0)
+  per = (4 * d + (hq + 2 * hkv) * hd + hq * hd + 5 * f) * c + 8 * d + hq * seq * probs
+  formula = (f"[(4d+(Hq+2Hkv)D+HqD+5F)*{c}B + 8d + Hq*S*{probs}B] = {per / 1024:.1f} KiB"
+             "/token/layer")
+  return per, formula
+
+
+def human(n: float) -> str:
+  """Bytes as KiB / MiB / GiB."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *,
+         num_prompts: int | None = None, prompt_width: int | None = None,
+         rules=shd.DEFAULT_RULES) -> MemoryPlan:
+  """Per-device bytes of a run of `config` with `model_cfg` on a mesh of `mesh_shape`.
+
+  mesh_shape: e.g. {"data": 2, "fsdp": 8} (missing axes are 1); it need not match the
+    devices present. num_prompts: size of the RL prompt pool (None: estimated from
+    config.task as num_train_per_level x ops x rl_levels). prompt_width: the pool's prompt
+    width (None: config.sampler.max_prompt_len).
+  """
+  sizes = _check_mesh(mesh_shape)
+  mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
+  nb = sizes["data"] * sizes["fsdp"]  # devices the batch is split over
+  margin = float(_memory_section(config).get("activation_margin", DEFAULT_ACTIVATION_MARGIN))
+  if margin < 1.0:
+    raise configs.ConfigError(f"config.memory.activation_margin={margin}; expected >= 1.0.")
+  capacity, source = device_memory_bytes(config)
+
+  rl, s = config.rl, config.sampler
+  loss = configs.loss_config(config)
+  sel = configs.selection_config(config)
+  rep = configs.replay_config(config)
+  sp = configs.sampling_params(config, eos_id=0, pad_id=0)
+  pw = int(prompt_width if prompt_width is not None else s.max_prompt_len)
+  t_new = int(s.max_new_tokens)
+  seq = pw + t_new
+  g = int(rl.group_size)
+  if num_prompts is None:
+    task = config.get("task", None) or {}
+    num_prompts = (int(task.get("num_train_per_level", 0)) * len(task.get("ops", ("",)) or ("",))
+                   * len(task.get("rl_levels", ()) or ()))
+  n_prompts = int(num_prompts)
+
+  cfg = model_cfg
+  c = jnp.dtype(cfg.compute_dtype).itemsize
+  w = jnp.dtype(cfg.weight_dtype).itemsize
+  L, hkv, hq, hd, d, V = (cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
+                          cfg.d_model, cfg.vocab_size)
+  items: list[MemoryItem] = []
+
+  def add(name, nbytes, formula, phase, hint="", estimate=False):
+    if estimate:
+      nbytes = int(nbytes * margin)
+      formula = f"{formula} x{margin:g} margin"
+    items.append(MemoryItem(name, int(nbytes), formula, phase, hint))
+
+  # ---- state: exact, from abstract shapes and the sharding rules.
+  _, abstract = transformer.abstract_params(cfg)
+  splits = _param_splits(abstract, mesh, rules)
+  params_full = sum(_nbytes(x) for x, _ in splits.values())
+  params_dev = sum(_nbytes(x) // sp_ for x, sp_ in splits.values())
+  n_split = sum(1 for _, sp_ in splits.values() if sp_ > 1)
+  split_note = (f"{n_split}/{len(splits)} leaves split by spec_for" if n_split else
+                "replicated")
+  add("params", params_dev,
+      f"{cfg.num_params() / 1e6:.1f}M x {w}B ({cfg.param_dtype}), {split_note}", "state",
+      f"{_HINT_FSDP}; {_HINT_BF16}")
+  o = config.get("optim", None) or {}
+  tx = train.make_optimizer(
+      float(o.get("lr", 1e-6)), int(config.get("total_steps", 1)),
+      warmup_steps=int(o.get("warmup_steps", 0)), schedule=o.get("schedule", "constant"),
+      weight_decay=float(o.get("weight_decay", 0.0)), grad_clip=float(o.get("grad_clip", 1.0)))
+  opt_abstract = jax.eval_shape(tx.init, abstract)
+  opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
+  add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
+      f"2 x params-shaped ({'/'.join(opt_dtypes)}), split like params, + count", "state",
+      f"{_HINT_FSDP}; {_HINT_BF16}")
+  if loss.kl_coef > 0:
+    add("reference params (kl_coef > 0)", params_dev, "= params", "state",
+        "config.rl.kl_coef=0 (no reference model)")
+  sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(
+      jax.eval_shape(lambda: selection.SelectorState.init(max(n_prompts, 1)))))
+  add("selector", sel_bytes if n_prompts else 0,
+      f"{n_prompts} prompts x (4 x 4B + 1B), replicated", "state")
+  add("prompt pool", n_prompts * (pw + t_new + 3) * 4,
+      f"{n_prompts} x (P={pw} + A={t_new} + 3) x 4B, replicated", "state")
+  if rep is not None:
+    ring = jax.eval_shape(lambda: replay_lib.ReplayState.init(rep.capacity, pw, t_new))
+    ring_dev = sum(_cdiv(_nbytes(x), nb) if x.ndim else _nbytes(x)
+                   for x in jax.tree.leaves(ring))
+    add("replay ring", ring_dev,
+        f"capacity {rep.capacity} x ((P={pw} + 2T) x 4B + 37B) / {nb} batch devices", "state",
+        _HINT_REPLAY)
+
+  # ---- rollout: the step's sampler.
+  rows = sel.groups_sampled_factor * int(rl.prompts_per_step) * g
+  local = _cdiv(rows, nb)
+  if s.impl == "paged":
+    pc = _paged_config(config)
+    group = math.gcd(g, local)
+    lay = paged._Layout.make(local, group, pw, sp, pc)  # pylint: disable=protected-access
+    add("sampler KV pool (paged)",
+        2 * L * hkv * lay.num_pages * lay.page_size * hd * c,
+        f"2 x L={L} x Hkv={hkv} x {lay.num_pages} pages x {lay.page_size} x D={hd} x {c}B "
+        f"per shard ({local} seqs, {lay.slots} slots)", "rollout", _HINT_POOL)
+    if nb > 1 and params_dev < params_full:
+      add("sampler params (all-gathered)", params_full,
+          f"paged shard_map reads params replicated: full {human(params_full)}", "rollout",
+          _HINT_BF16)
+    chunk = lay.prefill_chunk
+    tmp = (chunk * hq * pw * pw * 8 + chunk * pw * (4 * d + 3 * cfg.mlp_dim) * c
+           + lay.slots * V * 4 * 3 + local * t_new * 8)
+    add("sampler temporaries (paged)", tmp,
+        f"prefill {chunk} prompts (Hq*P^2*8B + P*(4d+3F)*{c}B) + {lay.slots} slots x V x 4B "
+        "x3 + outputs", "rollout", _HINT_POOL, estimate=True)
+  else:
+    _dense_sampler(add, cfg, "sampler", local, pw, t_new, "rollout", c, _HINT_PROMPTS)
+
+  # ---- eval: the dense greedy sampler.
+  eval_local = _cdiv(int(s.eval_batch_size), nb)
+  _dense_sampler(add, cfg, "eval sampler", eval_local, pw, t_new, "eval", c, _HINT_EVAL)
+
+  # ---- update.
+  train_rows = int(rl.prompts_per_step) * g + (rep.num_samples if rep else 0)
+  rows_dev = _cdiv(train_rows, nb)
+  mb_rows = _cdiv(train_rows, int(rl.num_minibatches) * nb)
+  logp_copies = 3 if loss.kl_coef > 0 else 2  # behaviour, old (and ref) log-probs
+  per_row = pw * 4 + t_new * (4 + 4 * logp_copies + 1) + 12 * 4
+  add("training batch (+ minibatch copy)", 2 * rows_dev * per_row,
+      f"2 x {rows_dev} rows x (P*4 + T*{4 + 4 * logp_copies + 1} + 48)B", "update")
+  tokens_all = rows_dev * seq
+  # The layers' temporaries are dead before the logits exist: the peak is the larger.
+  one_layer = (tokens_all * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
+               + rows_dev * hq * seq * seq * 8)
+  add("pi_old forward (whole batch, no grad)",
+      max(tokens_all * V * 4 * _LOGITS_FWD_COPIES, one_layer) + tokens_all * d * c,
+      f"max({rows_dev} rows x S={seq} x V={V} x 4B x{_LOGITS_FWD_COPIES} (logits, "
+      "log-softmax), one layer) + hidden",
+      "logp", _HINT_PROMPTS, estimate=True)
+  add("gradients", params_dev, "= params (param dtype, reduce-scattered like params)",
+      "grad", f"{_HINT_FSDP}; {_HINT_BF16}")
+  per_tok, layer_formula = _layer_activation_bytes(cfg, seq)
+  tokens_mb = mb_rows * seq
+  add("saved activations (backward)", tokens_mb * (L * per_tok + 2 * d * c + d * 4 + hq * seq * 8)
+      + mb_rows * seq * seq,
+      f"{mb_rows} rows x S={seq} x L={L} x {layer_formula} + one layer's score grads",
+      "grad", _HINT_MINIBATCH, estimate=True)
+  add(f"f32 logits x{_LOGITS_GRAD_COPIES} (minibatch)", tokens_mb * V * 4 * _LOGITS_GRAD_COPIES,
+      f"{mb_rows} rows x S={seq} x V={V} x 4B x{_LOGITS_GRAD_COPIES} (logits, log-softmax, "
+      "softmax, grad)", "grad", _HINT_MINIBATCH, estimate=True)
+  big_name, (big, big_split) = max(splits.items(), key=lambda kv: _nbytes(kv[1][0]))
+  if big_split > 1:
+    n = int(math.prod(big.shape))
+    add("FSDP gather + grad partial (largest weight)", n * (c + w),
+        f"{big_name} {tuple(big.shape)} gathered ({c}B) + unreduced grad ({w}B)", "grad",
+        _HINT_BF16)
+
+  notes = (
+      "Exact: params, optimizer, reference params, replay ring, selector, pool (shapes + "
+      "sharding rules). KV: the samplers' own layouts.",
+      f"Estimated (x{margin:g} margin, config.memory.activation_margin): sampler "
+      "temporaries, pi_old forward, saved activations, logits.",
+      "Not modelled: XLA temporaries (fusion / collective buffers, weight casts hoisted out "
+      "of loops, FSDP all-gathers kept for the backward), compiled-code and runtime memory.",
+  )
+  return MemoryPlan(items=tuple(items), capacity_bytes=int(capacity), capacity_source=source,
+                    mesh_shape=dict(sizes), activation_margin=margin, notes=notes)
+
+
+def _paged_config(config) -> paged.PagedConfig:
+  fields = config.sampler.get("paged", None) or {}
+  fields = {k: v for k, v in dict(fields).items() if k in {
+      f.name for f in dataclasses.fields(paged.PagedConfig)}}
+  try:
+    return paged.PagedConfig(**fields)
+  except (ValueError, TypeError) as e:
+    raise configs.ConfigError(f"config.sampler.paged: {e}") from None
+
+
+def _dense_sampler(add, cfg: ModelConfig, label: str, rows: int, pw: int, t_new: int,
+                   phase: str, c: int, hint: str) -> None:
+  """KV cache and temporaries of rlx.sampler.dense for `rows` sequences on one device."""
+  seq = pw + t_new
+  L, hkv, hq, hd, V = (cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
+                       cfg.vocab_size)
+  d, f = cfg.d_model, cfg.mlp_dim
+  add(f"{label} KV cache (dense)", 2 * L * rows * seq * hkv * hd * c + rows * seq * 4,
+      f"2 x L={L} x {rows} rows x S={seq} x Hkv={hkv} x D={hd} x {c}B + key_pos", phase, hint)
+  # Prefill returns logits for every prompt position; one layer's activations live.
+  tmp = (rows * pw * V * 4 + rows * hq * pw * pw * 8 + rows * pw * (4 * d + 3 * f) * c
+         + rows * V * 4 * 3 + rows * t_new * 8)
+  add(f"{label} temporaries (dense)", tmp,
+      f"prefill: logits {rows} x P={pw} x V={V} x 4B, one layer (Hq*P^2*8B + "
+      f"P*(4d+3F)*{c}B)/row; decode logits x3",
+      phase, hint, estimate=True)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_plan(p: MemoryPlan) -> str:
+  """A table of the plan's lines, per-phase totals, capacity, headroom and the verdict."""
+  mesh = " x ".join(f"{a}={n}" for a, n in p.mesh_shape.items())
+  name_w = max(len(it.name) for it in p.items)
+  lines = [f"memory plan per device, mesh {mesh} ({math.prod(p.mesh_shape.values())} devices)",
+           f"  {'item':<{name_w}}  {'phase':<7}  {'bytes':>11}  how"]
+  for it in p.items:
+    lines.append(f"  {it.name:<{name_w}}  {it.phase:<7}  {human(it.bytes):>11}  {it.formula}")
+  totals = p.phase_bytes()
+  lines.append("  live per phase: " + ", ".join(
+      f"{ph} {human(totals[ph])}" for ph in PHASES))
+  verdict = "FITS" if p.fits else "DOES NOT FIT"
+  lines.append(f"  peak {human(p.total_bytes)} ({p.peak_phase}) / capacity "
+               f"{human(p.capacity_bytes)} ({p.capacity_source}): headroom "
+               f"{human(p.headroom_bytes)} -> {verdict}")
+  lines += [f"  note: {n}" for n in p.notes]
+  return "\n".join(lines)
+
+
+def check_fits(p: MemoryPlan) -> None:
+  """Raises ConfigError naming the peak, the capacity, the 3 largest lines and what to change."""
+  if p.fits:
+    return
+  live = [it for it in p.items if p.peak_phase in _LIVE_IN[it.phase]]
+  top = sorted(live, key=lambda it: it.bytes, reverse=True)[:3]
+  hints: list[str] = []
+  for h in [part for it in top for part in it.hint.split("; ") if part] + list(_ALL_HINTS):
+    if h not in hints:
+      hints.append(h)
+  mesh = ", ".join(f"{a}={n}" for a, n in p.mesh_shape.items())
+  raise configs.ConfigError(
+      f"the run needs {human(p.total_bytes)} per device at its peak ({p.peak_phase} phase) "
+      f"but a device has {human(p.capacity_bytes)} ({p.capacity_source}) on mesh {{{mesh}}}; "
+      f"largest: " + ", ".join(f"{it.name} {human(it.bytes)}" for it in top)
+      + "; try " + ", ".join(hints) + ".")

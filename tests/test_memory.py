@@ -1,0 +1,151 @@
+"""rlx.memory: the plan's exact lines against real arrays on real (fake CPU) meshes."""
+
+import importlib.util
+import os
+
+import jax
+import ml_collections as mlc
+import numpy as np
+import pytest
+
+from rlx import configs
+from rlx import memory
+from rlx import sharding as shd
+from rlx import train
+from rlx.model import hf
+from rlx.model import transformer
+from rlx.rl import replay as replay_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**overrides) -> mlc.ConfigDict:
+  spec = importlib.util.spec_from_file_location(
+      "arith_cfg", os.path.join(ROOT, "experiments", "arith.py"))
+  arith = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(arith)
+  c = arith.get_config("runlocal")  # 2 layers, d_model 32: every dim divisible by 2 and 4
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return c
+
+
+def _model(config):
+  return configs.model_config(config, config.tokenizer.vocab_size)
+
+
+def _bytes_on_first_device(tree) -> int:
+  dev = jax.devices()[0]
+  total = 0
+  for x in jax.tree.leaves(tree):
+    total += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
+  return total
+
+
+def test_params_line_is_the_real_byte_count_on_one_device():
+  config = _config()
+  cfg = _model(config)
+  _, params = transformer.init_params(cfg)
+  real = sum(x.nbytes for x in jax.tree.leaves(params))
+  p = memory.plan(config, cfg, {"data": 1})
+  assert p.item("params").bytes == real
+  assert p.item("gradients").bytes == real
+
+
+@pytest.mark.parametrize("mesh_shape", [{"fsdp": 2}, {"data": 2, "fsdp": 4}])
+def test_state_lines_match_init_state_on_a_real_mesh(mesh_shape):
+  config = _config(**{"replay.enabled": True, "replay.capacity": 64, "replay.num_samples": 8})
+  cfg = _model(config)
+  _, params = transformer.init_params(cfg)
+  sizes = {a: mesh_shape.get(a, 1) for a in shd.AXES}
+  mesh = shd.make_mesh(**sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
+  tx = train.make_optimizer(1e-3, 10)
+  rep = configs.replay_config(config)
+  state = train.init_state(params, tx, 0, mesh, num_prompts=100, replay=rep,
+                           prompt_width=config.sampler.max_prompt_len,
+                           max_new_tokens=config.sampler.max_new_tokens)
+  p = memory.plan(config, cfg, mesh_shape, num_prompts=100)
+  assert p.item("params").bytes == _bytes_on_first_device(state.params)
+  assert p.item("optimizer (adamw mu, nu)").bytes == _bytes_on_first_device(state.opt_state)
+  assert p.item("replay ring").bytes == _bytes_on_first_device(state.replay)
+  assert p.item("selector").bytes == _bytes_on_first_device(state.selector)
+
+
+def test_fsdp_halves_the_sharded_params():
+  config = _config()
+  cfg = _model(config)
+  one = memory.plan(config, cfg, {"fsdp": 1}).item("params").bytes
+  two = memory.plan(config, cfg, {"fsdp": 2}).item("params").bytes
+  _, params = transformer.abstract_params(cfg)
+  mesh = jax.sharding.AbstractMesh((1, 2, 1), shd.AXES)
+  replicated = sum(x.size * x.dtype.itemsize
+                   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                   if not any(shd.spec_for(shd.path_str(path), x.shape, mesh)))
+  assert replicated > 0  # norms stay whole
+  assert two == replicated + (one - replicated) // 2
+
+
+def test_replay_ring_is_its_real_bytes_over_the_batch_devices():
+  config = _config(**{"replay.enabled": True, "replay.capacity": 1024,
+                      "replay.num_samples": 64})
+  cfg = _model(config)
+  ring = replay_lib.ReplayState.init(1024, config.sampler.max_prompt_len,
+                                     config.sampler.max_new_tokens)
+  leaves = jax.tree.leaves(ring)
+  per_row = sum(x.nbytes for x in leaves if x.ndim)
+  scalars = sum(x.nbytes for x in leaves if not x.ndim)
+  for shape, devices in (({"data": 1}, 1), ({"data": 2, "fsdp": 4, "tensor": 2}, 8)):
+    got = memory.plan(config, cfg, shape).item("replay ring").bytes
+    assert got == per_row // devices + scalars
+
+
+def test_kl_adds_reference_params_and_paged_adds_a_pool():
+  config = _config(**{"rl.kl_coef": 0.1, "sampler.impl": "paged"})
+  p = memory.plan(config, _model(config), {"data": 2, "fsdp": 2})
+  assert p.item("reference params (kl_coef > 0)").bytes == p.item("params").bytes
+  assert p.item("sampler KV pool (paged)").bytes > 0
+  assert p.item("sampler params (all-gathered)").bytes > p.item("params").bytes
+  names = {it.name for it in memory.plan(_config(), _model(_config()), {"data": 1}).items}
+  assert "reference params (kl_coef > 0)" not in names
+
+
+def test_an_impossible_capacity_raises_with_the_numbers():
+  config = _config(**{"memory": mlc.ConfigDict({"device_bytes": 1024})})
+  p = memory.plan(config, _model(config), {"data": 1})
+  assert p.capacity_bytes == 1024 and not p.fits
+  with pytest.raises(configs.ConfigError) as e:
+    memory.check_fits(p)
+  msg = str(e.value)
+  assert f"needs {memory.human(p.total_bytes)} per device" in msg
+  assert "1.00 KiB (config.memory.device_bytes)" in msg
+  assert "largest:" in msg and "num_minibatches" in msg and "fsdp" in msg
+  memory.check_fits(memory.plan(_config(), _model(_config()), {"data": 1}))  # host RAM: fits
+
+
+def test_format_plan_lists_every_item_and_the_verdict():
+  config = _config(**{"replay.enabled": True, "rl.kl_coef": 0.1})
+  p = memory.plan(config, _model(config), {"data": 2})
+  text = memory.format_plan(p)
+  for it in p.items:
+    assert it.name in text and memory.human(it.bytes) in text
+  assert "FITS" in text and "capacity" in text and "headroom" in text
+  assert p.total_bytes == max(p.phase_bytes().values())
+
+
+def test_mesh_shape_is_validated():
+  config = _config()
+  with pytest.raises(configs.ConfigError, match="fsdp"):
+    memory.plan(config, _model(config), {"fsdp": -1})
+  with pytest.raises(configs.ConfigError, match="model"):
+    memory.plan(config, _model(config), {"model": 2})
+
+
+def test_qwen25_15b_shape_file():
+  cfg = hf.config_from_hf(hf.read_config(os.path.join(ROOT, "experiments", "shapes",
+                                                       "qwen2.5-1.5b")))
+  assert cfg.qkv_bias and cfg.tie_embeddings and cfg.num_kv_heads == 2
+  assert 1.53e9 < cfg.num_params() < 1.55e9
