@@ -147,3 +147,144 @@ def model_config(config: mlc.ConfigDict, vocab_size: int) -> ModelConfig:
 def to_plain(config: mlc.ConfigDict) -> dict[str, Any]:
   """JSON-able dict (tuples become lists)."""
   return config.to_dict()
+
+
+def defaults() -> mlc.ConfigDict:
+  """Every config key rlx reads, at its default; experiment files override what they need.
+
+  An override of a key that is not here is an error ("Did you mean ..."), so the names below
+  are the complete vocabulary of a config.
+  """
+  c = mlc.ConfigDict()
+  c.seed = 0
+  c.total_steps = 200
+  c.eval_every = 25
+  c.checkpoint_every = 50
+  c.keep_checkpoints = 2
+  c.log_every = 1
+  c.fused_step = False  # True: one jitted step (no generation/update time split)
+
+  c.task = mlc.ConfigDict()
+  c.task.name = "arithmetic"  # arithmetic | gsm8k | math
+  c.task.ops = ("add",)  # arithmetic: ("add", "mul")
+  c.task.levels = (2, 3, 4, 5)  # arithmetic: numbers of digits
+  c.task.num_train_per_level = 5000
+  c.task.num_eval_per_level = 200
+  c.task.reverse_answer = False  # arithmetic: answers lowest digit first
+  c.task.teacher_error_levels = ()  # arithmetic: warm-start answers drop a carry here ...
+  c.task.teacher_error_rate = 0.0  # ... with this probability
+  c.task.seed = 0
+  c.task.manual_dir = ""  # gsm8k / math: the directory holding the JSONL files
+  c.task.num_eval = 0  # gsm8k / math: cap on held-out examples (0: all)
+  c.task.rl_levels = ()  # difficulty levels RL trains on (empty: all)
+  c.task.band = ()  # levels whose accuracy is the headline (empty: all)
+  c.task.eval_levels = ()  # levels of the held-out set to evaluate (empty: all)
+  c.task.data_dir = ""  # where TFDS prepares the data (empty: WORKDIR/data)
+  c.task.instruction = "{prompt}"  # prompt template; {prompt} is the problem text
+  # "exact_match": the jnp verifier inside the jitted step. A registered Python reward
+  # ("math", "exact") or "package.module:function" runs on the host between the halves.
+  c.task.reward = "exact_match"
+
+  c.tokenizer = mlc.ConfigDict()
+  c.tokenizer.vocab_size = 64  # for a sentencepiece model trained on the task text
+  c.tokenizer.path = ""  # a .model / tokenizer.json / HF directory (empty: model.path or train)
+  c.tokenizer.chat_template = False  # render prompts with the tokenizer's chat template
+  c.tokenizer.system_prompt = ""
+
+  c.model = mlc.ConfigDict()
+  c.model.path = ""  # a Hugging Face checkpoint directory (empty: the tiny model below)
+  c.model.num_layers = 4
+  c.model.d_model = 128
+  c.model.num_heads = 4
+  c.model.num_kv_heads = 2
+  c.model.head_dim = 32
+  c.model.mlp_dim = 384
+  c.model.rope_theta = 10_000.0
+  c.model.tie_embeddings = True
+  c.model.dtype = "float32"  # activations; bf16 is slow on XLA:CPU
+  c.model.param_dtype = "float32"
+
+  c.warm_start = mlc.ConfigDict()
+  # A base model directory written by an earlier run (WORKDIR/base); empty: look in this
+  # workdir, else run the supervised warm start (config.sft).
+  c.warm_start.dir = ""
+
+  c.sft = mlc.ConfigDict()
+  c.sft.steps = 1000
+  c.sft.batch_size = 128
+  c.sft.lr = 2e-3
+  c.sft.warmup_steps = 100
+  c.sft.max_len = 20
+  c.sft.level_weights = {"2": 1.0, "3": 1.0, "4": 1.0}  # sampling weight per level
+
+  c.rl = mlc.ConfigDict()
+  c.rl.prompts_per_step = 16
+  c.rl.group_size = 8
+  c.rl.advantage = "grpo"  # grpo | dr_grpo | rloo
+  c.rl.num_updates = 1  # passes over each batch
+  c.rl.num_minibatches = 1  # optimizer steps per pass
+  c.rl.eps_low = 0.2
+  c.rl.eps_high = 0.28  # DAPO clip-higher
+  c.rl.aggregation = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  c.rl.kl_coef = 0.0  # > 0 allocates reference params
+  c.rl.kl_estimator = "k3"
+  c.rl.is_cap = 2.0  # C of the decoupled correction pi_old / mu
+  c.rl.is_mode = "truncate"  # truncate | mask
+  c.rl.ratio_level = "token"  # token | sequence (GSPO)
+
+  # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
+  c.selection = mlc.ConfigDict()
+  c.selection.mode = "uniform"  # uniform | band | history | skip
+  c.selection.ema = 0.5
+  c.selection.floor = 0.05
+  c.selection.history_cooldown = 50
+  c.selection.skip_keep_base = 0.25
+  c.selection.dynamic_filter = False  # DAPO dynamic sampling
+  c.selection.oversample = 2
+
+  c.replay = mlc.ConfigDict()
+  c.replay.enabled = False
+  c.replay.capacity = 1024
+  c.replay.num_samples = 64
+  c.replay.max_staleness = 4
+  c.replay.max_reuse = 2
+  c.replay.priority = "abs_adv"  # abs_adv | recency | uniform
+
+  c.length = mlc.ConfigDict()
+  c.length.overlong_shaping = False
+  c.length.overlong_buffer = 2
+  c.length.overlong_penalty = 1.0
+  c.length.overlong_filter = False
+
+  c.sampler = mlc.ConfigDict()
+  c.sampler.impl = "dense"  # dense | paged
+  c.sampler.max_prompt_len = 16
+  c.sampler.max_new_tokens = 8
+  c.sampler.temperature = 1.0
+  c.sampler.top_k = 0
+  c.sampler.top_p = 1.0
+  c.sampler.eval_batch_size = 256
+
+  c.optim = mlc.ConfigDict()
+  c.optim.lr = 3e-4
+  c.optim.schedule = "cosine"  # constant | cosine
+  c.optim.warmup_steps = 10
+  c.optim.weight_decay = 0.0
+  c.optim.grad_clip = 1.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+
+  c.guard = mlc.ConfigDict()
+  c.guard.max_consecutive_skips = 3  # steps with non-finite loss/grads before stopping
+  c.guard.reward_range = (-10.0, 10.0)  # a reward outside stops the run, naming the example
+
+  c.memory = mlc.ConfigDict()
+  c.memory.device_bytes = 0  # per-device memory for the plan (0: ask the device / host RAM)
+  c.memory.activation_margin = 1.2
+  c.memory.check = True  # refuse to start a run whose plan does not fit
+
+  c.mesh = mlc.ConfigDict()
+  c.mesh.data = -1  # -1: the devices left over
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+  return c

@@ -17,10 +17,17 @@ from rlx.sampler.sampling import SamplingParams
 
 
 class Evaluator:
-  """Greedy pass@1 on a fixed pool, in fixed-size batches (compiled once)."""
+  """Greedy pass@1 on a fixed pool, in fixed-size batches (compiled once).
+
+  Scored by the task's jnp verifier, or by `host_reward` (a checked Python reward, see
+  rlx.rewards) given the decoded completions, `host` examples and `tokenizer`.
+  """
 
   def __init__(self, graphdef, pool: PromptPool, sp: SamplingParams, batch_size: int,
-               mesh: Mesh):
+               mesh: Mesh, *, host_reward=None, host=None, tokenizer=None):
+    self.host_reward = host_reward
+    self.host = host
+    self.tokenizer = tokenizer
     self.sp = sp
     self.mesh = mesh
     n = pool.size
@@ -37,6 +44,8 @@ class Evaluator:
     def run(params, prompts, prompt_lens, answers, answer_lens):
       keys = jax.random.split(jax.random.key(0), prompts.shape[0])
       ro = dense.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, sp)
+      if host_reward is not None:
+        return ro.tokens, ro.lengths
       return exact_match_reward(ro.tokens, answers, answer_lens)
 
     self._run = run
@@ -51,7 +60,14 @@ class Evaluator:
       args = [shd.put(x[sl], shd.batch_sharding(self.mesh, x.ndim))
               for x in (p.prompts, p.prompt_lens, p.answers, p.answer_lens)]
       out.append(self._run(params, *args))
-    return np.concatenate([distributed.to_host(x) for x in out])[:self.n]
+    if self.host_reward is None:
+      return np.concatenate([distributed.to_host(x) for x in out])[:self.n]
+    tokens = np.concatenate([distributed.to_host(t) for t, _ in out])[:self.n]
+    lengths = np.concatenate([distributed.to_host(l) for _, l in out])[:self.n]
+    texts = [self.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
+    h = self.host
+    return np.asarray(self.host_reward(list(h.prompts), texts, answer=list(h.answers),
+                                       difficulty=[int(d) for d in h.difficulty]))
 
   def __call__(self, params) -> dict[str, float]:
     s = self.scores(params)

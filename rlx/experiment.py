@@ -10,7 +10,9 @@ Base weights, in order of preference:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -49,7 +51,8 @@ class Experiment:
 def task_spec(config: mlc.ConfigDict) -> arithmetic.ArithmeticSpec:
   t = config.task
   if t.name != "arithmetic":
-    raise configs.ConfigError(f"config.task.name={t.name!r}; expected 'arithmetic'.")
+    raise configs.ConfigError(f"config.task.name={t.name!r}: the warm start is built only for "
+                              f"'arithmetic'.")
   for op in t.ops:
     if op not in arithmetic.OPS:
       raise configs.ConfigError(f"config.task.ops contains {op!r}; expected ops from "
@@ -62,11 +65,36 @@ def task_spec(config: mlc.ConfigDict) -> arithmetic.ArithmeticSpec:
       teacher_error_rate=float(t.get("teacher_error_rate", 0.0)))
 
 
+TASKS = ("arithmetic", "gsm8k", "math")
+
+
 def load_task(config: mlc.ConfigDict, data_dir: str) -> tuple[list[dict], list[dict]]:
+  """(train examples, held-out examples), each {'prompt', 'answer', 'difficulty', ...}."""
   tfds.disable_progress_bar()
   logging.getLogger("absl").setLevel(logging.ERROR)
-  sources = arithmetic.build(task_spec(config), data_dir)
-  return arithmetic.read_all(sources["train"]), arithmetic.read_all(sources["eval"])
+  name = config.task.name
+  if name == "arithmetic":
+    with contextlib.redirect_stdout(io.StringIO()):  # TFDS prints "Downloading and preparing"
+      sources = arithmetic.build(task_spec(config), data_dir)
+    return arithmetic.read_all(sources["train"]), arithmetic.read_all(sources["eval"])
+  if name in ("gsm8k", "math"):
+    from rlx.data import math_datasets  # pylint: disable=g-import-not-at-top
+    manual = config.task.get("manual_dir", "")
+    if not manual:
+      raise configs.ConfigError(f"config.task.name={name!r} reads local JSONL files: set "
+                                f"config.task.manual_dir (see README, Datasets).")
+    with contextlib.redirect_stdout(io.StringIO()):
+      sources = math_datasets.build(name, manual, data_dir)
+    train = math_datasets.read_all(sources["train"]) if "train" in sources else []
+    held_out = math_datasets.read_all(sources["test"]) if "test" in sources else []
+    n_eval = int(config.task.get("num_eval", 0) or 0)
+    if not held_out:  # no test file: hold out the tail of train
+      n = n_eval or max(1, len(train) // 10)
+      train, held_out = train[:-n], train[-n:]
+    if n_eval:
+      held_out = held_out[:n_eval]
+    return train, held_out
+  raise configs.ConfigError(f"config.task.name={name!r}; expected one of {TASKS}.")
 
 
 def _resolve(path: str) -> str:
@@ -130,20 +158,55 @@ def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
     if not eval_ex:
       raise configs.ConfigError(f"config.task.eval_levels={eval_levels} selects no eval "
                                 f"example (task.levels={tuple(config.task.levels)}).")
-  rl_levels = set(int(l) for l in config.task.rl_levels)
-  rl_ex = [e for e in train_ex if int(e["difficulty"]) in rl_levels]
+  rl_levels = set(int(l) for l in (config.task.get("rl_levels", ()) or ()))
+  rl_ex = [e for e in train_ex if not rl_levels or int(e["difficulty"]) in rl_levels]
   if not rl_ex:
     raise configs.ConfigError(f"config.task.rl_levels={tuple(config.task.rl_levels)} selects no "
                               f"training example (task.levels={tuple(config.task.levels)}).")
   max_p = config.sampler.max_prompt_len
   max_a = config.sampler.max_new_tokens
+  fmt, special = prompt_formatter(config, tokenizer)
+  rl_ex = [{**e, "prompt": fmt(e["prompt"])} for e in rl_ex]
+  eval_ex = [{**e, "prompt": fmt(e["prompt"])} for e in eval_ex]
   train_pool, train_host = tasks.tokenize_pool(rl_ex, tokenizer, max_p, max_a,
-                                               task_name=f"{config.task.name} train")
+                                               task_name=f"{config.task.name} train",
+                                               add_special_tokens=special)
   eval_pool, eval_host = tasks.tokenize_pool(eval_ex, tokenizer, max_p, max_a,
-                                             task_name=f"{config.task.name} eval")
+                                             task_name=f"{config.task.name} eval",
+                                             add_special_tokens=special)
   return Experiment(config=config, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
                     base_params=params, train_pool=train_pool, train_host=train_host,
                     eval_pool=eval_pool, eval_host=eval_host, base_source=source)
+
+
+def prompt_formatter(config: mlc.ConfigDict, tokenizer):
+  """(question -> prompt text, whether to add the tokenizer's special tokens).
+
+  config.task.instruction is a format string with {prompt}; with
+  config.tokenizer.chat_template the result becomes the user turn of the model's own chat
+  template (after an optional config.tokenizer.system_prompt), which spells out the special
+  tokens itself.
+  """
+  instruction = config.task.get("instruction", "") or "{prompt}"
+  if "{prompt}" not in instruction:
+    raise configs.ConfigError(f"config.task.instruction={instruction!r} must contain "
+                              f"'{{prompt}}'.")
+  use_chat = bool(config.get("tokenizer", {}).get("chat_template", False))
+  system = config.get("tokenizer", {}).get("system_prompt", "")
+  if use_chat and not getattr(tokenizer, "chat_template", None):
+    raise configs.ConfigError("config.tokenizer.chat_template=True, but the tokenizer has no "
+                              "chat template (tokenizer_config.json 'chat_template' or "
+                              "chat_template.jinja).")
+
+  def fmt(question: str) -> str:
+    text = instruction.format(prompt=question)
+    if not use_chat:
+      return text
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+  return fmt, not use_chat
 
 
 def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
@@ -159,6 +222,10 @@ def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
         f"expected at least one of each (check task.levels and num_*_per_level).")
 
   model_path = config.model.get("path", "")
+  if not model_path and config.task.name != "arithmetic":
+    raise configs.ConfigError(f"config.task.name={config.task.name!r} needs a base model: set "
+                              f"config.model.path to a Hugging Face checkpoint directory (the "
+                              f"built-in warm start exists only for 'arithmetic').")
   warm_dir = _resolve(config.get("warm_start", {}).get("dir", "") or "")
   if warm_dir and not os.path.isdir(warm_dir):
     raise FileNotFoundError(f"config.warm_start.dir={warm_dir!r} is not a directory; expected a "

@@ -21,7 +21,8 @@ import ml_collections as mlc
 import numpy as np
 
 from rlx import checkpoint as ckpt_lib
-from rlx import configs, evaluate, experiment, memory, metrics as metrics_lib, train
+from rlx import configs, distributed, evaluate, experiment, memory, metrics as metrics_lib
+from rlx import tensorboard, train
 from rlx import sharding as shd
 
 
@@ -52,8 +53,38 @@ def step_config(config: mlc.ConfigDict, tokenizer) -> train.StepConfig:
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
+  """Mean accuracy over the band's levels (empty band: overall accuracy)."""
+  if not band:
+    return float(m["eval/accuracy"])
   vals = [m[f"eval/accuracy_d{int(l)}"] for l in band if f"eval/accuracy_d{int(l)}" in m]
   return float(np.mean(vals)) if vals else float("nan")
+
+
+def host_reward_fn(config: mlc.ConfigDict):
+  """The checked Python reward named by config.task.reward, or None for the jnp verifier.
+
+  "exact_match": the task's token-level jnp verifier inside the jitted step (default).
+  A registered name ("math", "exact", see rlx.rewards) or "package.module:function": host
+  Python between the rollout and update halves.
+  """
+  name = config.task.get("reward", "exact_match") or "exact_match"
+  if name == "exact_match":
+    return None
+  from rlx import rewards  # pylint: disable=g-import-not-at-top
+  if ":" in name:
+    import importlib  # pylint: disable=g-import-not-at-top
+    module, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise configs.ConfigError(f"config.task.reward={name!r} cannot be imported ({e}).") from None
+  else:
+    try:
+      fn = rewards.get_reward(name)
+    except (KeyError, ValueError) as e:
+      raise configs.ConfigError(f"config.task.reward={name!r}: {e}") from None
+  lo, hi = config.get("guard", {}).get("reward_range", (-10.0, 10.0))
+  return rewards.wrap_reward(fn, task_name=config.task.name, low=lo, high=hi)
 
 
 @dataclasses.dataclass
@@ -90,8 +121,8 @@ def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = 
       f"{tuple(config.task.rl_levels)}), eval {exp.eval_pool.size} prompts")
   mem = memory.plan(config, exp.model_cfg, dict(mesh.shape), num_prompts=exp.train_pool.size,
                     prompt_width=exp.train_pool.max_prompt_len)
-  log(f"[rlx] memory plan: peak {memory.human(mem.peak)} per device of "
-      f"{memory.human(mem.capacity)} ({mem.peak_phase}); --dry_run prints the whole plan")
+  log(f"[rlx] memory plan: peak {memory.human(mem.total_bytes)} per device of "
+      f"{memory.human(mem.capacity_bytes)} ({mem.peak_phase}); --dry_run prints the whole plan")
   if config.get("memory", {}).get("check", True):
     memory.check_fits(mem)
   cfg = step_config(config, exp.tokenizer)
@@ -204,13 +235,17 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
   greedy = configs.sampling_params(config, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                    stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
                                    greedy=True)
+  host_reward = host_reward_fn(config)
   evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
-                                 config.sampler.eval_batch_size, mesh)
+                                 config.sampler.eval_batch_size, mesh, host_reward=host_reward,
+                                 host=exp.eval_host, tokenizer=tok)
   band = tuple(config.task.band)
   base_eval_path = os.path.join(workdir, "eval_base.json")
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
                                    resume_step=start if latest is not None else None,
                                    enabled=main_process)
+  tb = tensorboard.SummaryWriter(os.path.join(workdir, "tb"), purge_step=start or None) if (
+      main_process) else None
   if latest is None or not os.path.exists(base_eval_path):
     base_eval = evaluator(state.params)
     base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
@@ -218,6 +253,8 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
       ckpt_lib.save_json(base_eval_path, base_eval)
     if latest is None:
       writer.write(0, base_eval)
+      if tb:
+        tb.scalars(0, base_eval)
   else:
     with open(base_eval_path) as f:
       base_eval = json.load(f)
@@ -235,7 +272,15 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
     with _SignalFlag() as stop:
       for step in range(start, config.total_steps):
         t0 = time.perf_counter()
-        if config.fused_step:
+        if host_reward is not None:
+          state, batch = fns.generate(state, pool)
+          rewards = _host_rewards(batch, exp, host_reward, mesh)
+          _fault("kill_after_rollout", step + 1)
+          t1 = time.perf_counter()
+          state, m = fns.score_update(state, batch, rewards)
+          m = jax.device_get(m)
+          t_gen, t_upd = t1 - t0, time.perf_counter() - t1
+        elif config.fused_step:
           state, m = fns.train_step(state, pool)
           m = jax.device_get(m)
           t_gen, t_upd = time.perf_counter() - t0, 0.0
@@ -265,6 +310,8 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
           last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
           m.update(last_eval)
         writer.write(done, m)
+        if tb:
+          tb.scalars(done, m)
         bar.update(1)
         bar.set_postfix({**metrics_lib.postfix(m), **(
             {"eval": f"{last_eval['eval/band_accuracy']:.3f}"} if last_eval else {})})
@@ -286,6 +333,8 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
   finally:
     bar.close()
     writer.close()
+    if tb:
+      tb.close()
     ckpt.close()
 
   final = last_eval if last_eval else evaluator(state.params)
@@ -303,6 +352,19 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
           "median_generate_s": float(np.median(gen_times)) if gen_times else None,
           "median_update_s": float(np.median(upd_times)) if upd_times else None,
           "state": state}
+
+
+def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
+  """Decodes the rollouts on the host and scores them with the Python reward (time spent
+  here counts as generation)."""
+  tokens = distributed.to_host(batch.completions)
+  lengths = distributed.to_host(batch.lengths)
+  ids = distributed.to_host(batch.prompt_ids)
+  texts = [exp.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
+  h = exp.train_host
+  values = host_reward([h.prompts[i] for i in ids], texts, answer=[h.answers[i] for i in ids],
+                       difficulty=[int(h.difficulty[i]) for i in ids])
+  return shd.put(np.asarray(values, np.float32), shd.batch_sharding(mesh, 1))
 
 
 def _check_rewards(m: dict[str, float], exp: experiment.Experiment, config) -> None:

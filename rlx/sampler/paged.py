@@ -352,7 +352,12 @@ class SamplerStats:
 
 @struct.dataclass
 class PagedState:
-  """Everything the decode loop carries (one shard): KV pool, allocator, slots, outputs."""
+  """Everything the decode loop carries (one shard): KV pool, allocator, slots, outputs.
+
+  The pool is one [Hkv, N, P, D] array per layer (the [L, Hkv, N, P, D] pool as a tuple):
+  each layer's pool is then a whole buffer that the kernels read and the scatters update in
+  place, with no per-layer slice copied out of a stacked array on every step.
+  """
 
   k: tuple  # per layer [Hkv, N, P, D]; page 0 stays zero
   v: tuple
