@@ -53,10 +53,11 @@ class Checkpointer:
       out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       return dict(out["meta"])
     except Exception as e:  # orbax raises several types for missing / corrupt items
+      first = " ".join(str(e).split())[:200]
       raise CheckpointError(
           f"Checkpoint {os.path.join(self.directory, str(step))} has no readable metadata "
-          f"({type(e).__name__}: {e}); it was not written by rlx or is corrupt. Move it away "
-          f"or use another --workdir.") from None
+          f"({type(e).__name__}: {first}); it was not written by rlx or is corrupt. Move it "
+          f"away or use another --workdir.") from None
 
   def restore(self, step: int, abstract_state: Any, shardings: Any, model_cfg: ModelConfig,
               ) -> tuple[Any, dict[str, Any]]:
@@ -74,10 +75,11 @@ class Checkpointer:
       out = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(_abstract(abstract_state, shardings))))
     except Exception as e:
+      first = " ".join(str(e).split())[:200]
       raise CheckpointError(
           f"Could not restore the checkpoint at {os.path.join(self.directory, str(step))} "
-          f"({type(e).__name__}: {str(e)[:300]}). It is corrupt or from an incompatible "
-          f"state layout; move it away or use another --workdir.") from None
+          f"({type(e).__name__}: {first}...). It is corrupt or from an incompatible state "
+          f"layout; move it away or use another --workdir.") from None
     return out["state"], meta
 
   def wait(self) -> None:

@@ -57,6 +57,13 @@ def task_spec(config: mlc.ConfigDict) -> arithmetic.ArithmeticSpec:
     if op not in arithmetic.OPS:
       raise configs.ConfigError(f"config.task.ops contains {op!r}; expected ops from "
                                 f"{arithmetic.OPS}.")
+  for key in ("num_train_per_level", "num_eval_per_level"):
+    if int(t[key]) < 1:
+      raise configs.ConfigError(f"config.task.{key}={t[key]} gives an empty dataset; expected "
+                                f">= 1.")
+  if not t.levels or min(int(l) for l in t.levels) < 1:
+    raise configs.ConfigError(f"config.task.levels={tuple(t.levels)}; expected digit counts "
+                              f">= 1.")
   return arithmetic.ArithmeticSpec(
       ops=tuple(t.ops), levels=tuple(int(l) for l in t.levels),
       num_train_per_level=t.num_train_per_level, num_eval_per_level=t.num_eval_per_level,

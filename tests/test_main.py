@@ -96,39 +96,3 @@ def test_checkpoint_of_a_different_architecture_is_refused(trained, tmp_path):
                 show_progress=False)
 
 
-def test_prompt_longer_than_the_maximum(tmp_path):
-  with pytest.raises(ValueError, match=r"prompt '\d+\+\d+=' has \d+ tokens, longer than the "
-                     r"maximum prompt length 4"):
-    trainer.run(runlocal_config(**{"sampler.max_prompt_len": 4, "sft.steps": 1}),
-                str(tmp_path), log=lambda s: None, show_progress=False)
-
-
-@pytest.mark.parametrize("override, message", [
-    ({"rl.group_size": 1}, "config.rl.group_size=1: advantage 'grpo' normalises rewards"),
-    ({"rl.prompts_per_step": 3}, "12 rollouts cannot be split over the 8 data-parallel"),
-    ({"rl.num_minibatches": 5}, "do not split into config.rl.num_minibatches=5"),
-    ({"sampler.impl": "vllm"}, "config.sampler.impl='vllm'; expected one of"),
-    ({"rl.aggregation": "sum"}, "config.rl: loss aggregation 'sum'"),
-    ({"sampler.top_p": 1.5}, r"config.sampler: top_p=1.5; expected 0 < top_p <= 1"),
-])
-def test_bad_config_values(override, message, tmp_path):
-  with pytest.raises(configs.ConfigError, match=message):
-    trainer.run(runlocal_config(**override), str(tmp_path), log=lambda s: None,
-                show_progress=False)
-  assert not os.listdir(tmp_path)  # failed before writing anything
-
-
-@pytest.mark.parametrize("flag, message", [
-    ("--config.rl.grup_size=3",
-     "rlx: error: unknown config key --config.rl.grup_size; did you mean "
-     "--config.rl.group_size?"),
-    ("--config.rl.group_size=abc",
-     "rlx: error: flag --config.rl.group_size=abc: invalid literal for int()"),
-])
-def test_cli_flag_errors_are_one_line(flag, message, tmp_path):
-  out = subprocess.run([sys.executable, "-m", "rlx.main", f"--config={ARITH}:runlocal",
-                        f"--workdir={tmp_path}", flag], capture_output=True, text=True,
-                       timeout=120, cwd=REPO)
-  assert out.returncode != 0
-  assert message in out.stderr
-  assert "Traceback" not in out.stderr

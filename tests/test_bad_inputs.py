@@ -1,0 +1,168 @@
+"""Bad input costs seconds, not a lost day: each case stops with one clear message (asserted)
+and leaves the existing checkpoints of the workdir byte-for-byte intact."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from rlx import checkpoint, configs, rewards, trainer
+from test_main import ARITH, REPO, runlocal_config
+
+ONE = dict(devices=jax.devices()[:1])
+
+
+def _boom(prompts, completions, **unused):
+  raise ZeroDivisionError("reward exploded")
+
+
+rewards.register_reward("boom_for_tests", _boom)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  wd = tmp_path_factory.mktemp("existing")
+  trainer.run(runlocal_config(**{"total_steps": 2, "checkpoint_every": 1, "mesh.data": 1}),
+              str(wd), log=lambda s: None, show_progress=False, **ONE)
+  return wd
+
+
+def _digest(path):
+  h = hashlib.sha256()
+  for root, _, files in sorted(os.walk(path)):
+    for f in sorted(files):
+      h.update(f.encode())
+      with open(os.path.join(root, f), "rb") as fh:
+        h.update(fh.read())
+  return h.hexdigest()
+
+
+def _garbage(path):
+  with open(path, "wb") as f:
+    f.write(b"\x00not what you think\xff" * 7)
+
+
+def corrupt_tokenizer(wd):
+  _garbage(wd / "base" / "tokenizer.model")
+
+
+def delete_tokenizer(wd):
+  os.remove(wd / "base" / "tokenizer.model")
+
+
+def corrupt_checkpoint(wd):
+  for root, _, files in os.walk(wd / "checkpoints" / "2" / "state"):
+    for f in files:
+      _garbage(os.path.join(root, f))
+
+
+def foreign_checkpoint(wd):
+  # What another tool might leave: an orbax checkpoint of some other pytree, newer step.
+  import orbax.checkpoint as ocp
+  mgr = ocp.CheckpointManager(str(wd / "checkpoints"), item_names=("state", "meta"))
+  mgr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(3)}),
+                                      meta=ocp.args.JsonSave({"tool": "something else"})))
+  mgr.wait_until_finished()
+
+
+CASES = [
+    # (id, config overrides, workdir preparation, error type, message regex)
+    ("group_size_1", {"rl.group_size": 1}, None, configs.ConfigError,
+     r"config.rl.group_size=1: advantage 'grpo' normalises rewards within a group"),
+    ("minibatches_do_not_divide", {"rl.num_minibatches": 5}, None, configs.ConfigError,
+     r"training batch of 16 rows .* does not split into config.rl.num_minibatches=5"),
+    ("unknown_sampler", {"sampler.impl": "vllm"}, None, configs.ConfigError,
+     r"config.sampler.impl='vllm'; expected one of \('dense', 'paged'\)"),
+    ("unknown_aggregation", {"rl.aggregation": "sum"}, None, configs.ConfigError,
+     r"config.rl: loss aggregation 'sum'; expected one of"),
+    ("top_p_out_of_range", {"sampler.top_p": 1.5}, None, configs.ConfigError,
+     r"config.sampler: top_p=1.5; expected 0 < top_p <= 1"),
+    ("unknown_selection_mode", {"selection.mode": "greedy"}, None, configs.ConfigError,
+     r"config.selection: selection mode 'greedy'"),
+    ("replay_bigger_than_ring", {"replay.enabled": True, "replay.capacity": 8,
+                                 "replay.num_samples": 16}, None, configs.ConfigError,
+     r"config.replay: replay num_samples=16 exceeds capacity=8"),
+    ("does_not_fit_in_memory", {"memory.device_bytes": 1024}, None, configs.ConfigError,
+     r"the run needs .* per device at its peak .* but a device has 1.00 KiB"),
+    ("corrupt_tokenizer", {}, corrupt_tokenizer, ValueError,
+     r"Tokenizer file '.*base/tokenizer.model' is not a valid sentencepiece model"),
+    ("missing_tokenizer", {}, delete_tokenizer, FileNotFoundError,
+     r"Tokenizer file '.*base/tokenizer.model' does not exist"),
+    ("corrupt_checkpoint", {}, corrupt_checkpoint, checkpoint.CheckpointError,
+     r"Could not restore the checkpoint at .*checkpoints/2 .* corrupt or from an incompatible"),
+    ("foreign_checkpoint", {}, foreign_checkpoint, checkpoint.CheckpointError,
+     r"Could not restore the checkpoint at .*checkpoints/3"),
+    ("empty_dataset", {"task.num_train_per_level": 0}, None, configs.ConfigError,
+     r"config.task.num_train_per_level=0 gives an empty dataset; expected >= 1"),
+    ("prompt_longer_than_maximum", {"sampler.max_prompt_len": 4}, None, ValueError,
+     r"example \d+ prompt '\d+\+\d+=' has \d+ tokens, longer than the maximum prompt length 4"),
+    ("reward_function_raises", {"task.reward": "boom_for_tests"}, None, ValueError,
+     r"reward function 'boom_for_tests' \(_boom\) raised ZeroDivisionError: reward exploded on "
+     r"arithmetic example 0 \(prompt '\d+\+\d+=', completion"),
+    ("unknown_reward", {"task.reward": "nope"}, None, configs.ConfigError,
+     r"config.task.reward='nope'"),
+    ("missing_warm_start_dir", {"warm_start.dir": "/nonexistent/base"}, None,
+     FileNotFoundError, r"config.warm_start.dir='/nonexistent/base' is not a directory"),
+    ("missing_model_path", {"model.path": "/nonexistent/Qwen"}, None, FileNotFoundError,
+     r"config.model.path='/nonexistent/Qwen' is not a directory"),
+    ("gsm8k_without_files", {"task.name": "gsm8k", "model.path": REPO}, None,
+     configs.ConfigError, r"config.task.name='gsm8k' reads local JSONL files: set "
+     r"config.task.manual_dir"),
+    ("reward_out_of_range", {"guard.reward_range": (2.0, 3.0)}, None, trainer.NumericError,
+     r"task 'arithmetic': reward 0.0 for train example \d+ .* outside \[2.0, 3.0\]"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, prepare, error, message", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input_has_one_clear_message(run_dir, tmp_path, name, overrides, prepare, error,
+                                         message):
+  wd = tmp_path / "wd"
+  shutil.copytree(run_dir, wd)
+  if prepare:
+    prepare(wd)
+  before = _digest(wd / "checkpoints")
+  cfg = runlocal_config(**{"total_steps": 4, "mesh.data": 1, **overrides})
+  with pytest.raises(error, match=message) as info:
+    trainer.run(cfg, str(wd), log=lambda s: None, show_progress=False, **ONE)
+  assert "\n" not in str(info.value).strip()  # one message, one line
+  assert _digest(wd / "checkpoints") == before, f"{name} changed the checkpoints"
+
+
+def test_batch_not_divisible_by_the_data_axis(tmp_path):
+  # All 8 test devices on the data axis: 3 prompts x 4 samples cannot be split 8 ways.
+  with pytest.raises(configs.ConfigError, match=r"12 rollouts cannot be split over the 8 "
+                     r"data-parallel devices"):
+    trainer.run(runlocal_config(**{"rl.prompts_per_step": 3}), str(tmp_path),
+                log=lambda s: None, show_progress=False)
+  assert not os.listdir(tmp_path)  # failed before writing anything
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  with pytest.raises(configs.ConfigError, match=r"--workdir='.*a_file/run' is not writable"):
+    trainer.run(runlocal_config(**{"mesh.data": 1}), str(blocker / "run"), log=lambda s: None,
+                show_progress=False, **ONE)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.rl.grup_size=3",
+     "rlx: error: unknown config key --config.rl.grup_size; did you mean "
+     "--config.rl.group_size?"),
+    ("--config.rl.group_size=abc",
+     "rlx: error: flag --config.rl.group_size=abc: invalid literal for int()"),
+])
+def test_cli_flag_errors_are_one_line(flag, message, tmp_path):
+  out = subprocess.run([sys.executable, "-m", "rlx.main", f"--config={ARITH}:runlocal",
+                        f"--workdir={tmp_path}", flag], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+  assert out.returncode == 2
+  assert message in out.stderr
+  assert "Traceback" not in out.stderr
+  assert not os.listdir(tmp_path)
