@@ -24,7 +24,9 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # tensorboard (no TensorFlow needed): its EventAccumulator cross-checks the event files that
     # rlx.tensorboard writes by hand; rlx itself never imports it.
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.15"],
+    # nbclient + nbformat + ipykernel: tests/test_notebooks.py executes the colab/ notebooks.
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.15", "nbclient>=0.10",
+             "nbformat>=5.10", "ipykernel>=6.29"],
     # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
     # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build.
     "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9"],

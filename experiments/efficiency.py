@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -59,27 +58,15 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   return o
 
 
-def make_config(steps: int, eval_every: int, seed: int, base_dir: str, overrides: dict):
-  sys.path.insert(0, HERE)
-  import arith  # pylint: disable=g-import-not-at-top
-  c = arith.get_config("")
-  c.unlock()
-  c.seed = seed
-  c.total_steps = steps
-  c.eval_every = eval_every
-  c.checkpoint_every = steps
-  c.task.rl_levels = (2, 3, 4, 5)
-  c.task.eval_levels = (3, 4)
-  c.warm_start.dir = base_dir
-  c.task.data_dir = os.path.join(os.path.dirname(os.path.abspath(base_dir)), "data")
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  c.lock()
-  return c
+def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir: str,
+                overrides: dict):
+  import rlx  # pylint: disable=g-import-not-at-top
+  from rlx import configs  # pylint: disable=g-import-not-at-top
+  base = rlx.load_config(os.path.join(HERE, "arith.py"))
+  return configs.with_overrides(base, {
+      "seed": seed, "total_steps": steps, "eval_every": eval_every, "checkpoint_every": steps,
+      "task.rl_levels": (2, 3, 4, 5), "task.eval_levels": (3, 4), "warm_start.dir": base_dir,
+      "task.data_dir": data_dir, **overrides})
 
 
 def run_one(config, workdir: str) -> dict:
@@ -150,14 +137,15 @@ def main(_):
   t_start = time.time()
 
   base_dir = _BASE_DIR.value or os.path.join(root, "base_run", "base")
+  data_dir = os.path.join(root, "data")
   if not os.path.exists(os.path.join(base_dir, "model.safetensors")):
     print(f"[efficiency] warm start -> {base_dir}", flush=True)
     from rlx import experiment  # pylint: disable=g-import-not-at-top
-    experiment.setup(make_config(1, 1, 0, "", {}), os.path.dirname(base_dir),
+    experiment.setup(make_config(1, 1, 0, "", data_dir, {}), os.path.dirname(base_dir),
                      log=lambda s: None)
 
   print(f"[efficiency] pilot B0 (seed 100), {steps} steps", flush=True)
-  pilot = run_one(make_config(steps, eval_every, 100, base_dir, {}),
+  pilot = run_one(make_config(steps, eval_every, 100, base_dir, data_dir, {}),
                   os.path.join(root, "pilot_B0"))
   base_acc, pilot_final = pilot["curve"][0][2], pilot["curve"][-1][2]
   late = [acc for step, _, acc in pilot["curve"] if step >= 2 * steps / 3]
@@ -169,7 +157,8 @@ def main(_):
   for arm in _ARMS.value:
     for seed in range(_SEEDS.value):
       wd = os.path.join(root, arm.replace("+", "_"), f"seed{seed}")
-      cfg = make_config(steps, eval_every, seed, base_dir, arm_overrides(arm, _SELECT.value))
+      cfg = make_config(steps, eval_every, seed, base_dir, data_dir,
+                        arm_overrides(arm, _SELECT.value))
       r = run_one(cfg, wd)
       results.setdefault(arm, []).append(r)
       print(f"[efficiency] {arm:6s} seed {seed}: final {r['curve'][-1][2]:.3f}, tokens "

@@ -1,0 +1,63 @@
+"""rlx: sample-efficient RL post-training of language models in JAX.
+
+The public API (what the notebooks and README use); names load lazily, so `import rlx` stays
+cheap and `rlx.kernels` can be imported without the trainer's dependencies:
+
+  rlx.default_config()                 every config key at its default (rlx.configs.defaults)
+  rlx.load_config(path, arg="")        an experiment file's get_config(arg)
+  rlx.train(config, workdir)           train (resumes from the workdir's last checkpoint)
+  rlx.build(config, workdir)           everything before the first step (for benchmarks)
+  rlx.dry_run(config, workdir)         the per-device memory plan, without compiling
+  rlx.read_metrics(workdir)            metrics.jsonl as a list of dicts
+  rlx.read_checkpoint(workdir, step)   a saved TrainState as numpy arrays
+  rlx.load_hf / rlx.save_hf            Hugging Face safetensors in and out
+  rlx.load_tokenizer                   sentencepiece .model or tokenizer.json (+ chat template)
+  rlx.generate_dense / generate_paged  the samplers (same Rollout output)
+  rlx.SamplingParams, rlx.PagedConfig, rlx.ModelConfig
+  rlx.make_report(workdir)             PNG plots + summary (python -m rlx.report)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "default_config": ("rlx.configs", "defaults"),
+    "train": ("rlx.trainer", "run"),
+    "build": ("rlx.trainer", "build"),
+    "dry_run": ("rlx.trainer", "dry_run"),
+    "read_metrics": ("rlx.metrics", "read_jsonl_workdir"),
+    "read_checkpoint": ("rlx.checkpoint", "read_arrays"),
+    "load_hf": ("rlx.model.hf", "load_hf"),
+    "save_hf": ("rlx.model.hf", "save_hf"),
+    "load_tokenizer": ("rlx.data.tokenizer", "load_tokenizer"),
+    "generate_dense": ("rlx.sampler.dense", "generate"),
+    "generate_paged": ("rlx.sampler.paged", "generate"),
+    "SamplingParams": ("rlx.sampler.sampling", "SamplingParams"),
+    "PagedConfig": ("rlx.sampler.paged", "PagedConfig"),
+    "ModelConfig": ("rlx.model.config", "ModelConfig"),
+    "make_report": ("rlx.report", "make_report"),
+}
+
+__all__ = sorted(_EXPORTS) + ["load_config", "__version__"]
+
+
+def load_config(path: str, arg: str = ""):
+  """`get_config(arg)` of an experiment file (what --config=path:arg gives the CLI)."""
+  spec = importlib.util.spec_from_file_location("rlx_experiment_config", path)
+  if spec is None or spec.loader is None:
+    raise FileNotFoundError(f"Experiment config {path!r} cannot be loaded.")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def __getattr__(name: str):
+  if name in _EXPORTS:
+    module, attr = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'rlx' has no attribute {name!r}")

@@ -288,3 +288,20 @@ def defaults() -> mlc.ConfigDict:
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
   return c
+
+
+def with_overrides(config: mlc.ConfigDict, overrides: dict[str, Any]) -> mlc.ConfigDict:
+  """A copy of `config` with dotted-key overrides applied ({"rl.group_size": 8}); the keys
+  must exist (as on the command line)."""
+  out = mlc.ConfigDict(config.to_dict())
+  for key, value in overrides.items():
+    node = out
+    *parents, leaf = key.split(".")
+    for p in parents:
+      if p not in node:
+        raise ConfigError(f"override {key!r}: config has no section {p!r}.")
+      node = node[p]
+    if leaf not in node:
+      raise ConfigError(f"override {key!r}: config has no key {leaf!r}.")
+    node[leaf] = value
+  return out

@@ -95,3 +95,11 @@ def postfix(m: Mapping[str, Any]) -> dict[str, str]:
   if "ledger/zero_adv_group_frac" in m:
     out["zero_adv"] = f"{m['ledger/zero_adv_group_frac']:.2f}"
   return out
+
+
+def read_jsonl_workdir(workdir: str) -> list[dict]:
+  """WORKDIR/metrics.jsonl as a list of dicts (one per logged step)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist; expected the workdir of an rlx run.")
+  return read_jsonl(path)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import rlx
 from rlx import checkpoint, configs, trainer
 from rlx.metrics import read_jsonl
 
@@ -16,20 +17,7 @@ ARITH = os.path.join(REPO, "experiments", "arith.py")
 
 
 def runlocal_config(**overrides):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("arith_cfg", ARITH)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("runlocal")
-  c.unlock()
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  c.lock()
-  return c
+  return configs.with_overrides(rlx.load_config(ARITH, "runlocal"), overrides)
 
 
 @pytest.fixture(scope="module")
