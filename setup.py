@@ -39,8 +39,12 @@ setuptools.setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["rlx", "rlx.model", "rlx.sampler", "rlx.rl", "rlx.data", "rlx.kernels"],
-    package_dir={"rlx": "rlx", "rlx.kernels": "kernels"},
+    packages=["rlx", "rlx.model", "rlx.sampler", "rlx.rl", "rlx.data", "rlx.kernels",
+              "rlx.experiments"],
+    # kernels/ and experiments/ sit at the top level (the project's layout) and install as
+    # rlx.kernels / rlx.experiments, so no top-level package collides with another one.
+    package_dir={"rlx": "rlx", "rlx.kernels": "kernels", "rlx.experiments": "experiments"},
+    package_data={"rlx.experiments": ["shapes/*/config.json"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

@@ -5,9 +5,13 @@ r"""Rollout throughput: rlx paged sampler vs rlx dense sampler vs Hugging Face `
   python experiments/bench_sampler.py --sizes 3m --reps 5
 
 All engines run the same weights (rlx params exported with `rlx.model.hf.save_hf` and loaded
-by `transformers.AutoModelForCausalLM`, f32, torch on the same CPU threads), the same prompts
-and temperature-1 sampling, measured interleaved (engine A, B, C, A, B, C, ...) after a
-warm-up call (compilation) each; the table shows medians.
+by `transformers.AutoModelForCausalLM`, f32), the same prompts and temperature-1 sampling
+(no top-k / top-p). HF gets the faster of 1 thread and all cores (a short calibration run
+each) with OMP_WAIT_POLICY=PASSIVE: with spinning OpenMP threads, HF runs on this shared
+2-core machine took 10-100x longer at random. Runs are measured interleaved (engine A, B,
+C, A, B, C, ...) after a warm-up call (compilation) each; the table shows medians. The rlx
+paged sampler runs with page_size 8 (--page-size), 32 slots for the plain workload and
+32 slots for the 128 GRPO sequences (continuous batching), other settings default.
 
 Workloads:
   plain  32 prompts x 128 new tokens (prompts of 16..32 tokens); nobody stops early.

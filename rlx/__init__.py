@@ -4,13 +4,18 @@ The public API (what the notebooks and README use); names load lazily, so `impor
 cheap and `rlx.kernels` can be imported without the trainer's dependencies:
 
   rlx.default_config()                 every config key at its default (rlx.configs.defaults)
-  rlx.load_config(path, arg="")        an experiment file's get_config(arg)
-  rlx.train(config, workdir)           train (resumes from the workdir's last checkpoint)
+  rlx.load_config("arith", arg="")     an experiment's get_config(arg): a file path, or the name
+                                       of one shipped in experiments/ (installed as
+                                       rlx.experiments)
+  rlx.with_overrides(config, {"rl.group_size": 8})   dotted-key overrides, keys checked
+  rlx.run(config, workdir)             train (resumes from the workdir's last checkpoint)
   rlx.build(config, workdir)           everything before the first step (for benchmarks)
   rlx.dry_run(config, workdir)         the per-device memory plan, without compiling
   rlx.read_metrics(workdir)            metrics.jsonl as a list of dicts
   rlx.read_checkpoint(workdir, step)   a saved TrainState as numpy arrays
   rlx.load_hf / rlx.save_hf            Hugging Face safetensors in and out
+  rlx.init_params(model_cfg, seed)     (graphdef, params) of a fresh model
+  rlx.graphdef_for(model_cfg)          the graphdef the samplers need for loaded params
   rlx.load_tokenizer                   sentencepiece .model or tokenizer.json (+ chat template)
   rlx.generate_dense / generate_paged  the samplers (same Rollout output)
   rlx.SamplingParams, rlx.PagedConfig, rlx.ModelConfig
@@ -25,7 +30,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "default_config": ("rlx.configs", "defaults"),
-    "train": ("rlx.trainer", "run"),
+    # Not "train": that name is the rlx.train module (the pure step).
+    "run": ("rlx.trainer", "run"),
+    "with_overrides": ("rlx.configs", "with_overrides"),
+    "init_params": ("rlx.model.transformer", "init_params"),
+    "graphdef_for": ("rlx.model.transformer", "graphdef_for"),
     "build": ("rlx.trainer", "build"),
     "dry_run": ("rlx.trainer", "dry_run"),
     "read_metrics": ("rlx.metrics", "read_jsonl_workdir"),
@@ -45,9 +54,21 @@ __all__ = sorted(_EXPORTS) + ["load_config", "__version__"]
 
 
 def load_config(path: str, arg: str = ""):
-  """`get_config(arg)` of an experiment file (what --config=path:arg gives the CLI)."""
+  """`get_config(arg)` of an experiment (what --config=path:arg gives the CLI).
+
+  path: a config file, or the name of a shipped experiment ("arith", "hf_rl"), which works
+  from a pip install too (experiments/ is installed as rlx.experiments).
+  """
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  if not path.endswith(".py") and os.sep not in path:
+    try:
+      return importlib.import_module(f"rlx.experiments.{path}").get_config(arg)
+    except ModuleNotFoundError:
+      raise FileNotFoundError(f"No shipped experiment named {path!r}; pass a config file "
+                              f"path or one of rlx.experiments' modules.") from None
   spec = importlib.util.spec_from_file_location("rlx_experiment_config", path)
-  if spec is None or spec.loader is None:
+  if spec is None or spec.loader is None or not os.path.exists(path):
     raise FileNotFoundError(f"Experiment config {path!r} cannot be loaded.")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
