@@ -80,6 +80,16 @@ def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
         f"of the {num_batch_devices} data-parallel devices.")
   # These constructors validate their own fields with named errors.
   loss_config(config)
+  if config.sampler.impl == "paged":
+    pc = paged_config(config)
+    from rlx.sampler.paged import min_num_pages  # pylint: disable=g-import-not-at-top
+    minimum = min_num_pages(config.sampler.max_prompt_len, config.sampler.max_new_tokens,
+                            pc.page_size, rl.group_size)
+    _need(pc.num_pages == 0 or pc.num_pages >= minimum,
+          f"config.sampler.num_pages={pc.num_pages} is too small: one group of "
+          f"{rl.group_size} samples with a prompt of up to {config.sampler.max_prompt_len} "
+          f"tokens and max_new_tokens={config.sampler.max_new_tokens} (page_size="
+          f"{pc.page_size}) needs num_pages >= {minimum} per data shard (page 0 is reserved).")
   sampling_params(config, eos_id=3, pad_id=0)
 
 
@@ -119,6 +129,17 @@ def length_config(config: mlc.ConfigDict) -> LengthConfig:
     return LengthConfig(**_section(config, "length"))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.length: {e}") from None
+
+
+def paged_config(config: mlc.ConfigDict):
+  from rlx.sampler.paged import PagedConfig  # pylint: disable=g-import-not-at-top
+  s = config.sampler
+  try:
+    return PagedConfig(page_size=s.get("page_size", 16), num_pages=s.get("num_pages", 0),
+                       max_slots=s.get("max_slots", 0),
+                       attention_impl=s.get("attention", "reference"))
+  except ValueError as e:
+    raise ConfigError(f"config.sampler: {e}") from None
 
 
 def sampling_params(config: mlc.ConfigDict, *, eos_id: int, pad_id: int,
@@ -257,7 +278,11 @@ def defaults() -> mlc.ConfigDict:
   c.length.overlong_filter = False
 
   c.sampler = mlc.ConfigDict()
-  c.sampler.impl = "dense"  # dense | paged
+  c.sampler.impl = "paged"  # paged (default) | dense (the reference oracle)
+  c.sampler.page_size = 16  # paged: tokens per KV page
+  c.sampler.num_pages = 0  # paged: pages per data shard (0: enough for every slot)
+  c.sampler.max_slots = 0  # paged: sequences decoded at once per shard (0: all of them)
+  c.sampler.attention = "reference"  # paged: reference | pallas | interpret
   c.sampler.max_prompt_len = 16
   c.sampler.max_new_tokens = 8
   c.sampler.temperature = 1.0

@@ -46,7 +46,9 @@ def step_config(config: mlc.ConfigDict, tokenizer) -> train.StepConfig:
       num_minibatches=config.rl.num_minibatches, loss=configs.loss_config(config),
       sampling=configs.sampling_params(config, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                        stop_ids=stop_ids),
-      sampler_impl=config.sampler.impl, selection=configs.selection_config(config),
+      sampler_impl=config.sampler.impl,
+      paged=configs.paged_config(config) if config.sampler.impl == "paged" else None,
+      selection=configs.selection_config(config),
       replay=configs.replay_config(config), length=configs.length_config(config),
       reward_range=tuple(float(x) for x in config.get("guard", {}).get(
           "reward_range", (-10.0, 10.0))))

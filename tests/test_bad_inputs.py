@@ -87,6 +87,8 @@ CASES = [
     ("replay_bigger_than_ring", {"replay.enabled": True, "replay.capacity": 8,
                                  "replay.num_samples": 16}, None, configs.ConfigError,
      r"config.replay: replay num_samples=16 exceeds capacity=8"),
+    ("page_pool_too_small", {"sampler.num_pages": 2}, None, configs.ConfigError,
+     r"config.sampler.num_pages=2 is too small: .* needs num_pages >= \d+ per data shard"),
     ("does_not_fit_in_memory", {"memory.device_bytes": 1024}, None, configs.ConfigError,
      r"the run needs .* per device at its peak .* but a device has 1.00 KiB"),
     ("corrupt_tokenizer", {}, corrupt_tokenizer, ValueError,
