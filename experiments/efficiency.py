@@ -14,8 +14,8 @@ prompt pool, which mixes solved (2-digit), uncertain (3-4 digit, the band) and i
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
 floored to 0.01 ("where B0 gets"). For each arm and seed the
-generated tokens (including discarded ones) at the first evaluation reaching the target are
-recorded; runs that never reach it are censored. Ratios to B0 use medians, with a bootstrap
+generated tokens (including discarded ones) at the first of two consecutive evaluations
+reaching the target are recorded; runs that never reach it are censored. Ratios to B0 use medians, with a bootstrap
 interval over seeds.
 
   python experiments/efficiency.py --quick --workdir_root=/tmp/rlx_eff     # <= 15 min
@@ -40,6 +40,9 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Steps between evals (0: 5).
 _SELECT = flags.DEFINE_string("select_mode", "band", "Selection mode of the S arms.")
 _ARMS = flags.DEFINE_list("arms", ["B0", "B1", "S", "R", "S+R", "S+R+L"], "Arms to run.")
 _BASE_DIR = flags.DEFINE_string("base_dir", "", "A warm-start dir to reuse (else made).")
+_REPLAY_PRIORITY = flags.DEFINE_string("replay_priority", "abs_adv", "R arms: priority.")
+_REPLAY_SAMPLES = flags.DEFINE_integer("replay_samples", 64, "R arms: replayed rows / step.")
+_REPLAY_STALENESS = flags.DEFINE_integer("replay_staleness", 4, "R arms: max staleness.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,8 +54,9 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   if "S" in arm.split("+"):
     o["selection.mode"] = select_mode
   if "R" in arm.split("+"):
-    o.update({"replay.enabled": True, "replay.num_samples": 64, "replay.capacity": 1024,
-              "replay.max_staleness": 4, "replay.max_reuse": 2})
+    o.update({"replay.enabled": True, "replay.num_samples": _REPLAY_SAMPLES.value,
+              "replay.capacity": 1024, "replay.max_staleness": _REPLAY_STALENESS.value,
+              "replay.max_reuse": 2, "replay.priority": _REPLAY_PRIORITY.value})
   if "L" in arm.split("+"):
     o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
   return o
@@ -92,8 +96,10 @@ def run_one(config, workdir: str) -> dict:
 
 
 def tokens_to_target(curve, target):
-  for _, tokens, acc in curve:
-    if acc >= target - 1e-9:
+  """Generated tokens at the first of two consecutive evaluations at or above the target
+  (one noisy evaluation above it does not count)."""
+  for (_, tokens, acc), (_, _, nxt) in zip(curve, curve[1:]):
+    if acc >= target - 1e-9 and nxt >= target - 1e-9:
       return tokens
   return math.inf
 

@@ -1,17 +1,25 @@
 """The pure GRPO training step and the state it carries.
 
-    train_step(state, pool) -> (state, metrics)      # pure; jit; state donated
-      ids      = choose prompts (uniform, by the state's key)
-      rollouts = sampler.generate(params, prompts[ids] x G)   # tokens, behaviour logp mu
-      rewards  = task verifier (jnp)
-      adv      = group advantages (grpo | dr_grpo | rloo)
-      old logp = trainer's log-probs at the start of the update (pi_old)
-      repeat num_updates x num_minibatches: grads of policy_loss -> optax update
-      metrics  = ledger + loss statistics
+    train_step(state, pool) -> (state, metrics)          # pure; jit; state donated
+      generate:
+        ids      = selection.choose(state.selector, key)      # uniform | band | history | skip
+        rollouts = sampler(params, prompts[ids] x G)          # paged (default) or dense;
+                                                              # tokens + behaviour logp mu
+        rewards  = task verifier (jnp)                        # or host Python between halves
+      score:
+        rewards  = + DAPO overlong shaping (optional)
+        selector = selection.update(selector, ids, rewards)
+        groups   = DAPO dynamic filtering (optional; discarded tokens are counted)
+        adv      = group advantages (grpo | dr_grpo | rloo)
+      update:
+        batch    = fresh rollouts + replay.sample(ring); ring = replay.add(ring, fresh)
+        pi_old   = trainer log-probs before the updates (minibatch by minibatch)
+        num_updates x num_minibatches: grads of policy_loss (w = pi_old/mu capped) -> optax
+        metrics  = ledger (generated / trained / replayed / wasted tokens, ...) + losses
 
-The step is two pure halves, `rollout` and `update`, composed by `train_step`; the host loop
-may run them separately to time generation and update (and to run host-Python rewards in
-between). Both halves are jitted over a Mesh with NamedShardings; the state is donated.
+`rollout` (= generate + score) and `update` are the two halves the host loop times
+separately; `train_step` fuses them; `generate` + `score_update` is the split used when the
+reward is host Python. All are jitted over a Mesh with NamedShardings, the state donated.
 """
 
 from __future__ import annotations

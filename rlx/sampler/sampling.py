@@ -88,8 +88,42 @@ def filter_logits(scaled_BxV, top_k: int, top_p: float):
   return out
 
 
-def sample_tokens(logits_BxV, keys_B, params: SamplingParams):
-  """Returns (tokens i32[B], behaviour logp f32[B]). keys_B: one typed key per row."""
+def first_argmax(x):
+  """jnp.argmax over the last axis (first index of the max) as two plain reductions.
+
+  XLA:CPU lowers argmax to a variadic (value, index) reduce that does not vectorise; a max
+  then a min over matching indices is ~5x faster on [32, 4096] and picks the same index.
+  """
+  top = jnp.max(x, axis=-1, keepdims=True)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.min(jnp.where(x == top, iota, x.shape[-1]), axis=-1)
+
+
+def sample_tokens(logits_BxV, keys_B, sp: SamplingParams):
+  """Returns (tokens i32[B], behaviour logp f32[B]). keys_B: one typed key per row.
+
+  The draws equal `sample_tokens_reference` (jax.random.categorical's Gumbel noise for the
+  row's key, then the first argmax) and the log-prob is log_softmax of the sampled token;
+  both are written as plain reductions, which XLA:CPU runs several times faster.
+  """
+  logits = logits_BxV.astype(jnp.float32)
+  scaled = logits if sp.temperature == 0 else logits / sp.temperature
+  if sp.temperature == 0:
+    tokens = first_argmax(logits)
+  else:
+    filtered = filter_logits(scaled, sp.top_k, sp.top_p)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, filtered.shape[-1:], filtered.dtype))(
+        keys_B)
+    tokens = first_argmax(noise + filtered)
+  top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1))
+  log_z = jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
+  picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+  return tokens.astype(jnp.int32), (picked - top) - log_z
+
+
+def sample_tokens_reference(logits_BxV, keys_B, params: SamplingParams):
+  """The obvious formulation (jax.random.categorical, argmax, log_softmax): the oracle of
+  `sample_tokens` in tests."""
   logits = logits_BxV.astype(jnp.float32)
   if params.temperature == 0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -211,13 +211,13 @@ def test_jit_cache_stable_across_prompt_lengths(model):
   assert jitted._cache_size() == before
 
 
-def test_fast_sample_tokens_equal_sampling_module():
+def test_fast_sample_tokens_equal_the_reference_formulation():
   logits = jax.random.normal(jax.random.key(0), (16, 50)) * 3
   logits = logits.at[:, 9].set(logits.max(axis=-1))  # ties resolve to the first index
   keys = jax.random.split(jax.random.key(1), 16)
   for sp in (GREEDY, HOT, SamplingParams(1, temperature=0.7)):
-    want = sampling.sample_tokens(logits, keys, sp)
-    got = paged.sample_tokens(logits, keys, sp)
+    want = sampling.sample_tokens_reference(logits, keys, sp)
+    got = sampling.sample_tokens(logits, keys, sp)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6)
 
