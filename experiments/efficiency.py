@@ -18,8 +18,8 @@ generated tokens (including discarded ones) at the first of two consecutive eval
 reaching the target are recorded; runs that never reach it are censored. Ratios to B0 use medians, with a bootstrap
 interval over seeds.
 
-  python experiments/efficiency.py --quick --workdir_root=/tmp/rlx_eff     # <= 15 min
-  python experiments/efficiency.py --workdir_root=/tmp/rlx_eff_full          # <= 90 min
+  python experiments/efficiency.py --quick --workdir_root=/tmp/rlx_eff      # 3 seeds, 80 steps
+  python experiments/efficiency.py --workdir_root=/tmp/rlx_eff_full --seeds=4  # 200 steps
 """
 
 from __future__ import annotations
@@ -35,14 +35,21 @@ from absl import app, flags
 _ROOT = flags.DEFINE_string("workdir_root", "/tmp/rlx_efficiency", "Where runs go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short runs (<= 15 min on 2 cores).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per arm.")
-_STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0: 60 quick, 150 full).")
+_STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0: 80 quick, 200 full).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Steps between evals (0: 5).")
 _SELECT = flags.DEFINE_string("select_mode", "band", "Selection mode of the S arms.")
 _ARMS = flags.DEFINE_list("arms", ["B0", "B1", "S", "R", "S+R", "S+R+L"], "Arms to run.")
 _BASE_DIR = flags.DEFINE_string("base_dir", "", "A warm-start dir to reuse (else made).")
-_REPLAY_PRIORITY = flags.DEFINE_string("replay_priority", "abs_adv", "R arms: priority.")
+_REPLAY_PRIORITY = flags.DEFINE_string("replay_priority", "uniform", "R arms: priority.")
 _REPLAY_SAMPLES = flags.DEFINE_integer("replay_samples", 64, "R arms: replayed rows / step.")
 _REPLAY_STALENESS = flags.DEFINE_integer("replay_staleness", 4, "R arms: max staleness.")
+_PROMPTS = flags.DEFINE_integer("prompts_per_step", 16, "Fresh prompts per step, every arm.")
+_IS_MODE = flags.DEFINE_string("replay_is_mode", "truncate", "R arms: rl.is_mode.")
+_IS_CAP = flags.DEFINE_float("replay_is_cap", 2.0, "R arms: rl.is_cap (C).")
+# Measured on this task (see README): with the proximal anchor (decoupled PPO) stale replayed
+# advantages kept pushing and hurt (and collapsed runs with 4 prompts per step); the
+# behaviour anchor bounds each sample's push and made replay harmless.
+_ANCHOR = flags.DEFINE_string("replay_anchor", "behaviour", "R arms: rl.anchor.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,7 +63,9 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   if "R" in arm.split("+"):
     o.update({"replay.enabled": True, "replay.num_samples": _REPLAY_SAMPLES.value,
               "replay.capacity": 1024, "replay.max_staleness": _REPLAY_STALENESS.value,
-              "replay.max_reuse": 2, "replay.priority": _REPLAY_PRIORITY.value})
+              "replay.max_reuse": 2, "replay.priority": _REPLAY_PRIORITY.value,
+              "rl.is_mode": _IS_MODE.value, "rl.is_cap": _IS_CAP.value,
+              "rl.anchor": _ANCHOR.value})
   if "L" in arm.split("+"):
     o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
   return o
@@ -70,7 +79,7 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
   return configs.with_overrides(base, {
       "seed": seed, "total_steps": steps, "eval_every": eval_every, "checkpoint_every": steps,
       "task.rl_levels": (2, 3, 4, 5), "task.eval_levels": (3, 4), "warm_start.dir": base_dir,
-      "task.data_dir": data_dir, **overrides})
+      "task.data_dir": data_dir, "rl.prompts_per_step": _PROMPTS.value, **overrides})
 
 
 def run_one(config, workdir: str) -> dict:
@@ -136,7 +145,7 @@ def fmt_tokens(t):
 
 def main(_):
   quick = _QUICK.value
-  steps = _STEPS.value or (60 if quick else 150)
+  steps = _STEPS.value or (80 if quick else 200)
   eval_every = _EVAL_EVERY.value or 5
   root = _ROOT.value
   os.makedirs(root, exist_ok=True)

@@ -98,7 +98,8 @@ def loss_config(config: mlc.ConfigDict) -> LossConfig:
   try:
     return LossConfig(eps_low=rl.eps_low, eps_high=rl.eps_high, aggregation=rl.aggregation,
                       kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, is_cap=rl.is_cap,
-                      is_mode=rl.is_mode, ratio_level=rl.ratio_level)
+                      is_mode=rl.is_mode, ratio_level=rl.ratio_level,
+                      anchor=rl.get("anchor", "proximal"))
   except ValueError as e:
     raise ConfigError(f"config.rl: {e}") from None
 
@@ -252,6 +253,9 @@ def defaults() -> mlc.ConfigDict:
   c.rl.is_cap = 2.0  # C of the decoupled correction pi_old / mu
   c.rl.is_mode = "truncate"  # truncate | mask
   c.rl.ratio_level = "token"  # token | sequence (GSPO)
+  # PPO trust region around pi_old = the recomputed proximal policy (decoupled PPO, with the
+  # correction above) or the behaviour policy that sampled the data (off-policy PPO-clip).
+  c.rl.anchor = "proximal"
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()

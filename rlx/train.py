@@ -305,13 +305,15 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
     lp, m = jax.lax.map(lambda x: logp_fn(params, *x), _minibatches(seqs, cfg.num_minibatches))
     return _unminibatch(lp), _unminibatch(m)
 
-  # pi_old: the proximal policy of decoupled PPO, recomputed by the trainer.
+  # pi_old: the proximal policy of decoupled PPO, recomputed by the trainer (its agreement
+  # with mu is also the ledger's drift check) -- or, with anchor="behaviour", mu itself.
   old_logp, mask = batch_logprobs(state.params)
   old_logp = jax.lax.stop_gradient(old_logp)
+  anchor_logp = batch.behaviour_logp if cfg.loss.anchor == "behaviour" else old_logp
   ref_logp = None
   if cfg.loss.kl_coef > 0:
     ref_logp, _ = batch_logprobs(state.ref_params)
-  data = {"batch": batch, "old_logp": old_logp, "ref_logp": ref_logp}
+  data = {"batch": batch, "old_logp": anchor_logp, "ref_logp": ref_logp}
 
   def loss_fn(params, d):
     b = d["batch"]

@@ -24,6 +24,10 @@ Aggregation over the batch (B sequences, T response slots):
   seq_mean_token_sum_norm  sum_it l m / (B * T)          (Dr. GRPO, arXiv 2503.20783:
                                                           constant normaliser, no length bias)
 
+`anchor="behaviour"` instead uses the stored behaviour log-probs as pi_old (standard
+off-policy PPO-clip, no separate correction, w = 1): the trust region is then around the
+policy that generated the data, which bounds how far replayed samples can push the policy.
+
 Optionally `ratio_level="sequence"` uses GSPO's sequence ratio (Zheng et al. 2025,
 arXiv 2507.18071): s_i = exp(mean_t log r_it), applied to every token of sequence i.
 """
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_MODES = ("truncate", "mask")
+ANCHORS = ("proximal", "behaviour")
 RATIO_LEVELS = ("token", "sequence")
 
 
@@ -51,6 +56,7 @@ class LossConfig:
   is_cap: float = 2.0  # C
   is_mode: str = "truncate"
   ratio_level: str = "token"
+  anchor: str = "proximal"  # pi_old: recomputed proximal policy, or the behaviour policy
 
   def __post_init__(self):
     def need(ok, msg):
@@ -61,6 +67,7 @@ class LossConfig:
     need(self.kl_estimator in KL_ESTIMATORS,
          f"kl_estimator {self.kl_estimator!r}; expected one of {KL_ESTIMATORS}.")
     need(self.is_mode in IS_MODES, f"is_mode {self.is_mode!r}; expected one of {IS_MODES}.")
+    need(self.anchor in ANCHORS, f"anchor {self.anchor!r}; expected one of {ANCHORS}.")
     need(self.ratio_level in RATIO_LEVELS,
          f"ratio_level {self.ratio_level!r}; expected one of {RATIO_LEVELS}.")
     need(self.eps_low >= 0 and self.eps_high >= 0,

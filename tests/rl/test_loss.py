@@ -111,3 +111,15 @@ def test_sequence_level_ratio_gspo():
 def test_bad_loss_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LossConfig(**kwargs)
+
+
+def test_behaviour_anchor_is_off_policy_ppo_clip():
+  # anchor="behaviour" is applied by the trainer passing mu as pi_old: w = 1, ratio pi / mu.
+  cfg = LossConfig(anchor="behaviour")
+  loss, metrics = policy_loss(LOGP, MU, MU, ADV, MASK, cfg)
+  ratio = np.exp(LOGP - MU)
+  a = ADV[:, None]
+  pg = np.maximum(-ratio * a, -np.clip(ratio, 0.8, 1.28) * a)
+  m = MASK.astype(np.float64)
+  np.testing.assert_allclose(float(loss), (pg * m).sum() / m.sum(), rtol=1e-5)
+  assert float(metrics["loss/is_weight_mean"]) == 1.0
