@@ -237,6 +237,7 @@ def human(n: float) -> str:
 
 def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *,
          num_prompts: int | None = None, prompt_width: int | None = None,
+         num_groups: int | None = None,
          rules=shd.DEFAULT_RULES) -> MemoryPlan:
   """Per-device bytes of a run of `config` with `model_cfg` on a mesh of `mesh_shape`.
 
@@ -305,10 +306,11 @@ def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str
   if loss.kl_coef > 0:
     add("reference params (kl_coef > 0)", params_dev, "= params", "state",
         "config.rl.kl_coef=0 (no reference model)")
-  sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(
-      jax.eval_shape(lambda: selection.SelectorState.init(max(n_prompts, 1)))))
+  n_groups = int(num_groups) if num_groups else len(tuple(config.task.get("levels", ())) or (0,))
+  sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
+      lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups))))
   add("selector", sel_bytes if n_prompts else 0,
-      f"{n_prompts} prompts x (4 x 4B + 1B), replicated", "state")
+      f"{n_prompts} prompts x (5 x 4B + 1B) + {n_groups} buckets x 4B, replicated", "state")
   add("prompt pool", n_prompts * (pw + t_new + 3) * 4,
       f"{n_prompts} x (P={pw} + A={t_new} + 3) x 4B, replicated", "state")
   if rep is not None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
@@ -437,12 +438,14 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=shd.DEFAULT_RU
 
 
 def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
-               num_prompts: int | None = None, replay: replay_lib.ReplayConfig | None = None,
+               num_prompts: int | None = None, prompt_groups=None,
+               replay: replay_lib.ReplayConfig | None = None,
                prompt_width: int = 0, max_new_tokens: int = 0,
                rules=shd.DEFAULT_RULES) -> TrainState:
   """Places params on the mesh and builds the optimizer state with matching shardings.
 
   num_prompts: size of the prompt pool, for the pass-rate selector (None: no selector).
+  prompt_groups: i32[num_prompts] difficulty bucket (0..K-1) of each prompt (None: one).
   replay: the ring's config (None: no ring); prompt_width / max_new_tokens size its rows.
   """
   def make(params):
@@ -451,7 +454,9 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
         rng=jax.random.key_data(jax.random.key(seed)),
         step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
         ref_params=params if with_ref else None,
-        selector=None if num_prompts is None else selection.SelectorState.init(num_prompts),
+        selector=None if num_prompts is None else selection.SelectorState.init(
+            num_prompts, prompt_groups,
+            1 if prompt_groups is None else int(np.max(prompt_groups)) + 1),
         replay=None if replay is None else replay_lib.ReplayState.init(
             replay.capacity, prompt_width, max_new_tokens))
   abstract = jax.eval_shape(make, params)

@@ -137,6 +137,8 @@ def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = 
                             updates_per_step=cfg.num_updates * cfg.num_minibatches)
   state = train.init_state(exp.base_params, tx, config.seed, mesh,
                            with_ref=cfg.loss.kl_coef > 0, num_prompts=exp.train_pool.size,
+                           prompt_groups=np.unique(np.asarray(exp.train_pool.difficulty),
+                                                   return_inverse=True)[1],
                            replay=cfg.replay, prompt_width=exp.train_pool.max_prompt_len,
                            max_new_tokens=cfg.sampling.max_new_tokens)
   fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, jax.eval_shape(lambda: state))

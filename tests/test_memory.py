@@ -68,7 +68,7 @@ def test_state_lines_match_init_state_on_a_real_mesh(mesh_shape):
   state = train.init_state(params, tx, 0, mesh, num_prompts=100, replay=rep,
                            prompt_width=config.sampler.max_prompt_len,
                            max_new_tokens=config.sampler.max_new_tokens)
-  p = memory.plan(config, cfg, mesh_shape, num_prompts=100)
+  p = memory.plan(config, cfg, mesh_shape, num_prompts=100, num_groups=1)
   assert p.item("params").bytes == _bytes_on_first_device(state.params)
   assert p.item("optimizer (adamw mu, nu)").bytes == _bytes_on_first_device(state.opt_state)
   assert p.item("replay ring").bytes == _bytes_on_first_device(state.replay)

@@ -2,7 +2,10 @@
 
 State (device arrays over the whole prompt pool, updated from every group's rewards):
   pass_rate  f32[N]  exponential moving average of each prompt's group pass rate
-                     (prior 0.5 for unvisited prompts)
+  prompt_group i32[N], group_rate f32[K]  a prompt's difficulty bucket and the bucket's
+                     running pass rate: the estimate for prompts not visited yet (with
+                     thousands of prompts most are never revisited within a run, and a flat
+                     0.5 prior would make every unvisited prompt look maximally uncertain)
   visits     i32[N]
   last_all_correct bool[N], last_visit_step i32[N]
   zero_var_streak i32[N]  consecutive visits whose group had zero reward variance
@@ -46,6 +49,7 @@ class SelectionConfig:
   skip_keep_base: float = 0.25  # skip: keep probability per zero-variance visit
   dynamic_filter: bool = False
   oversample: int = 2  # dynamic_filter: groups sampled per group kept
+  group_ema: float = 0.1  # weight of a step's results in a difficulty bucket's pass rate
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -71,19 +75,29 @@ class SelectorState:
   last_all_correct: jax.Array  # bool[N]
   last_visit_step: jax.Array  # i32[N]
   zero_var_streak: jax.Array  # i32[N]
+  prompt_group: jax.Array  # i32[N] difficulty bucket of each prompt
+  group_rate: jax.Array  # f32[K] running pass rate of each bucket (prior 0.5)
 
   @classmethod
-  def init(cls, num_prompts: int) -> "SelectorState":
+  def init(cls, num_prompts: int, prompt_group=None, num_groups: int = 1) -> "SelectorState":
+    if prompt_group is None:
+      prompt_group = jnp.zeros((num_prompts,), jnp.int32)
     return cls(pass_rate=jnp.full((num_prompts,), 0.5, jnp.float32),
                visits=jnp.zeros((num_prompts,), jnp.int32),
                last_all_correct=jnp.zeros((num_prompts,), bool),
                last_visit_step=jnp.full((num_prompts,), -(10 ** 6), jnp.int32),
-               zero_var_streak=jnp.zeros((num_prompts,), jnp.int32))
+               zero_var_streak=jnp.zeros((num_prompts,), jnp.int32),
+               prompt_group=jnp.asarray(prompt_group, jnp.int32),
+               group_rate=jnp.full((num_groups,), 0.5, jnp.float32))
+
+  def estimate(self):
+    """Pass-rate estimate f32[N]: a prompt's own history, else its bucket's rate."""
+    return jnp.where(self.visits > 0, self.pass_rate, self.group_rate[self.prompt_group])
 
 
 def weights(sel: SelectorState, cfg: SelectionConfig, step, key):
   """Unnormalised selection weights f32[N] (0 = excluded this step)."""
-  p = sel.pass_rate
+  p = sel.estimate()
   n = p.shape[0]
   if cfg.mode == "uniform":
     return jnp.ones((n,), jnp.float32)
@@ -120,7 +134,16 @@ def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, 
   first = sel.visits[prompt_ids_P] == 0
   new_rate = jnp.where(first, rate, (1 - cfg.ema) * old + cfg.ema * rate)
   streak = jnp.where(zero_var, sel.zero_var_streak[prompt_ids_P] + 1, 0)
+  # Bucket rates: EMA towards this step's mean pass rate of the bucket's visited prompts.
+  k = sel.group_rate.shape[0]
+  grp = sel.prompt_group[prompt_ids_P]
+  count = jnp.zeros((k,), jnp.float32).at[grp].add(1.0)
+  total = jnp.zeros((k,), jnp.float32).at[grp].add(rate)
+  step_rate = total / jnp.maximum(count, 1.0)
+  group_rate = jnp.where(count > 0, (1 - cfg.group_ema) * sel.group_rate +
+                         cfg.group_ema * step_rate, sel.group_rate)
   return sel.replace(
+      group_rate=group_rate,
       pass_rate=sel.pass_rate.at[prompt_ids_P].set(new_rate),
       visits=sel.visits.at[prompt_ids_P].add(1),
       last_all_correct=sel.last_all_correct.at[prompt_ids_P].set(all_correct),
@@ -136,7 +159,7 @@ def dynamic_filter_order(rewards_PxG):
 
 def pass_rate_histogram(sel: SelectorState, prompt_ids):
   """Counts of the chosen prompts' estimated pass rates in HIST_BINS (before this visit)."""
-  p = sel.pass_rate[prompt_ids]
+  p = sel.estimate()[prompt_ids]
   edges = jnp.asarray(HIST_BINS)
   idx = jnp.clip(jnp.searchsorted(edges, p, side="right") - 1, 0, len(HIST_BINS) - 2)
   return jnp.zeros((len(HIST_BINS) - 1,), jnp.int32).at[idx].add(1)

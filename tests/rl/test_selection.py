@@ -25,7 +25,8 @@ def test_update_ema_visits_streaks():
 
 def test_band_weights_and_exploration_floor():
   cfg = SelectionConfig(mode="band", floor=0.1)
-  sel = SelectorState.init(4).replace(pass_rate=jnp.asarray([0.0, 0.5, 1.0, 0.25]))
+  sel = SelectorState.init(4).replace(pass_rate=jnp.asarray([0.0, 0.5, 1.0, 0.25]),
+                                      visits=jnp.ones(4, jnp.int32))
   w = selection.weights(sel, cfg, 0, jax.random.key(0))
   np.testing.assert_allclose(w, [0.1, 1.0, 0.1, 0.1 + 0.9 * 0.75])
   # Frequencies follow the weights (solved / impossible prompts still come up: the floor).
@@ -75,7 +76,8 @@ def test_uniform_choice_matches_plain_grpo_draw():
 def test_dynamic_filter_order_and_histogram():
   r = jnp.asarray([[1., 1], [0, 1], [0, 0], [1, 0]])
   np.testing.assert_array_equal(selection.dynamic_filter_order(r), [1, 3, 0, 2])
-  sel = SelectorState.init(5).replace(pass_rate=jnp.asarray([0.05, 0.3, 0.5, 0.95, 1.0]))
+  sel = SelectorState.init(5).replace(pass_rate=jnp.asarray([0.05, 0.3, 0.5, 0.95, 1.0]),
+                                      visits=jnp.ones(5, jnp.int32))
   np.testing.assert_array_equal(selection.pass_rate_histogram(sel, jnp.arange(5)),
                                 [1, 1, 1, 0, 2])
 
@@ -88,3 +90,16 @@ def test_dynamic_filter_order_and_histogram():
 def test_bad_selection_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SelectionConfig(**kwargs)
+
+
+def test_unvisited_prompts_take_their_difficulty_buckets_rate():
+  # Two buckets (e.g. 2-digit and 5-digit problems); visits to some prompts of each teach the
+  # selector about the unvisited ones, so band mode stops favouring solved / hopeless buckets.
+  cfg = SelectionConfig(mode="band", floor=0.0, group_ema=0.5)
+  sel = SelectorState.init(6, prompt_group=[0, 0, 0, 1, 1, 1], num_groups=2)
+  np.testing.assert_allclose(sel.estimate(), [0.5] * 6)
+  sel = selection.update(sel, cfg, jnp.asarray([0, 3]), jnp.asarray([[1., 1], [0., 0]]), step=1)
+  np.testing.assert_allclose(sel.group_rate, [0.75, 0.25])  # .5 * .5 + .5 * rate
+  np.testing.assert_allclose(sel.estimate(), [1.0, 0.75, 0.75, 0.0, 0.25, 0.25])
+  w = np.asarray(selection.weights(sel, cfg, 2, None))
+  np.testing.assert_allclose(w, 4 * np.asarray(sel.estimate()) * (1 - np.asarray(sel.estimate())))
