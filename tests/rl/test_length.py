@@ -1,0 +1,77 @@
+"""DAPO length control: soft overlong punishment against the paper's formula by hand, and
+overlong filtering inside the training step's scoring half."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx import sharding as shd
+from rlx import train
+from rlx.model import ModelConfig, init_params
+from rlx.rl.length import LengthConfig, overlong_penalty
+from rlx.rl.loss import LossConfig
+from rlx.sampler.sampling import SamplingParams
+
+
+def test_soft_overlong_punishment_by_hand():
+  # L_max = 10, L_cache = 4: no penalty up to 6 tokens, then a ramp to -1 at 10; a response
+  # cut at L_max without a stop token is longer than L_max: -1.
+  lengths = jnp.array([3, 6, 7, 9, 10, 10])
+  truncated = jnp.array([False, False, False, False, False, True])
+  pen = overlong_penalty(lengths, truncated, 10, LengthConfig(overlong_buffer=4,
+                                                              overlong_penalty=0.5))
+  np.testing.assert_allclose(pen, 0.5 * np.array([0, 0, -0.25, -0.75, -1.0, -1.0]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(overlong_buffer=0), "overlong_buffer=0"),
+    (dict(overlong_penalty=-1.0), "overlong_penalty=-1.0"),
+])
+def test_bad_length_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    LengthConfig(**kwargs)
+
+
+def _score(length_cfg):
+  """Scores one hand-made group of 4: two correct, one of them cut at max length."""
+  cfg = train.StepConfig(prompts_per_step=1, group_size=4, advantage="grpo", num_updates=1,
+                         num_minibatches=1, loss=LossConfig(),
+                         sampling=SamplingParams(max_new_tokens=8), length=length_cfg)
+  mcfg = ModelConfig(vocab_size=11, num_layers=1, d_model=8, num_heads=2, num_kv_heads=1,
+                     head_dim=4, mlp_dim=16)
+  _, params = init_params(mcfg, 0)
+  mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  state = train.init_state(params, train.make_optimizer(1e-3, 1), 0, mesh)
+  b = 4
+  batch = train.Batch(
+      prompts=jnp.ones((b, 3), jnp.int32), prompt_lens=jnp.full((b,), 3, jnp.int32),
+      completions=jnp.ones((b, 8), jnp.int32), behaviour_logp=jnp.zeros((b, 8)),
+      lengths=jnp.array([2, 7, 8, 3], jnp.int32),
+      truncated=jnp.array([False, False, True, False]),
+      rewards=jnp.zeros((b,)), advantages=jnp.zeros((b,)),
+      prompt_ids=jnp.zeros((b,), jnp.int32), difficulty=jnp.ones((b,), jnp.int32),
+      policy_version=jnp.zeros((b,), jnp.int32), stats={})
+  correct = jnp.array([1.0, 1.0, 1.0, 0.0])
+  _, scored = train.score(state, batch, correct, cfg=cfg)
+  return scored
+
+
+def _grpo(r):
+  r = np.asarray(r, np.float64)
+  return (r - r.mean()) / (r.std(ddof=1) + 1e-6)  # GRPO, unbiased group std
+
+
+def test_scoring_applies_shaping_to_advantages_and_filtering_to_truncated_rows():
+  plain = _score(LengthConfig())
+  np.testing.assert_allclose(plain.advantages, _grpo([1, 1, 1, 0]), rtol=1e-4, atol=1e-5)
+  # Shaping, L_max 8, L_cache 4: lengths 2, 7, 8 (cut), 3 -> penalties 0, -0.75, -1, 0.
+  shaped = _score(LengthConfig(overlong_shaping=True, overlong_buffer=4))
+  np.testing.assert_allclose(shaped.advantages, _grpo([1, 0.25, 0, 0]), rtol=1e-4, atol=1e-5)
+  # The task reward is kept for logging; only the advantage sees the shaping.
+  np.testing.assert_array_equal(shaped.rewards, [1, 1, 1, 0])
+  # Filtering: the cut response contributes nothing to the loss.
+  filtered = _score(LengthConfig(overlong_filter=True))
+  expected = _grpo([1, 1, 1, 0])
+  expected[2] = 0.0
+  np.testing.assert_allclose(filtered.advantages, expected, rtol=1e-4, atol=1e-5)
