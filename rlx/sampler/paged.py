@@ -92,7 +92,6 @@ class PagedConfig:
   context_buckets: the "reference" attention reads page-table prefixes of 1/n, 2/n, ... of
     its width, the shortest that covers every slot's length (the Pallas kernels already
     stop at each sequence's length).
-  cascade: reserved for group-level cascade attention; not implemented.
   """
 
   page_size: int = 16
@@ -103,7 +102,6 @@ class PagedConfig:
   prefill_chunk: int = 8
   slot_buckets: int = 4
   context_buckets: int = 4
-  cascade: bool = False
 
   def __post_init__(self):
     def need(cond, msg):
@@ -124,10 +122,6 @@ class PagedConfig:
     for name in ("prefill_chunk", "slot_buckets", "context_buckets"):
       value = getattr(self, name)
       need(isinstance(value, int) and value >= 1, f"{name}={value!r}, expected a positive int.")
-    if self.cascade:
-      raise NotImplementedError(
-          "PagedConfig.cascade=True is not implemented: slots hold sequences of any group, "
-          "so they are not laid out group-major as cascade_paged_attention needs.")
 
 
 def _cdiv(a, b):
