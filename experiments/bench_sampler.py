@@ -149,7 +149,7 @@ def roofline_seconds(cfg: ModelConfig, wl: Workload, probe) -> float:
 # ----------------------------------------------------------------------------- engines
 
 
-def rlx_engines(cfg, graphdef, params, wl: Workload, page_size: int):
+def rlx_engines(cfg, graphdef, params, wl: Workload, page_size: int, cascade: bool = False):
   b = len(wl.lens)
   keys = jax.random.split(jax.random.key(0), b)
   sp_paged = SamplingParams(max_new_tokens=wl.max_new, temperature=1.0, eos_id=EOS)
@@ -169,7 +169,13 @@ def rlx_engines(cfg, graphdef, params, wl: Workload, page_size: int):
   def run_dense():
     return dense.generate(graphdef, params, prompts, lens, keys, params_cfg=sp_dense)
 
-  return {"rlx paged": run_paged, "rlx dense": run_dense}, stats
+  engines = {"rlx paged": run_paged, "rlx dense": run_dense}
+  if cascade and wl.group_size > 1:
+    pc_cascade = dataclasses.replace(pc, cascade=True)
+    engines["rlx cascade"] = lambda: paged.generate(
+        graphdef, params, prompts, lens, keys, sp=sp_paged, pc=pc_cascade,
+        group_size=wl.group_size, forced_lengths_B=forced)
+  return engines, stats
 
 
 def hf_engine(cfg, params, wl: Workload, tmpdir: str):
@@ -248,6 +254,8 @@ def main(argv=None):
   ap.add_argument("--reps", type=int, default=3, help="interleaved timed repetitions")
   ap.add_argument("--page-size", type=int, default=8)
   ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+  ap.add_argument("--cascade", action="store_true",
+                  help="also time the paged sampler with cascade attention (GRPO workloads)")
   args = ap.parse_args(argv)
   sizes = ["tiny"] if args.quick else args.sizes.split(",")
   reps = 1 if args.quick and args.reps == 3 else args.reps
@@ -266,7 +274,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
       for wl_name in args.workloads.split(","):
         wl = make_workload(wl_name, args.quick, cfg.vocab_size)
-        engines, stats = rlx_engines(cfg, graphdef, params, wl, args.page_size)
+        engines, stats = rlx_engines(cfg, graphdef, params, wl, args.page_size, args.cascade)
         note = ""
         if not args.no_hf:
           hf, note = hf_engine(cfg, params, wl, tmp)

@@ -138,7 +138,8 @@ def paged_config(config: mlc.ConfigDict):
   try:
     return PagedConfig(page_size=s.get("page_size", 16), num_pages=s.get("num_pages", 0),
                        max_slots=s.get("max_slots", 0),
-                       attention_impl=s.get("attention", "reference"))
+                       attention_impl=s.get("attention", "reference"),
+                       cascade=s.get("cascade", False))
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
 
@@ -287,6 +288,7 @@ def defaults() -> mlc.ConfigDict:
   c.sampler.num_pages = 0  # paged: pages per data shard (0: enough for every slot)
   c.sampler.max_slots = 0  # paged: sequences decoded at once per shard (0: all of them)
   c.sampler.attention = "reference"  # paged: reference | pallas | interpret
+  c.sampler.cascade = False  # paged: GRPO prompt pages attended once per group (accelerators)
   c.sampler.max_prompt_len = 16
   c.sampler.max_new_tokens = 8
   c.sampler.temperature = 1.0

@@ -92,6 +92,13 @@ class PagedConfig:
   context_buckets: the "reference" attention reads page-table prefixes of 1/n, 2/n, ... of
     its width, the shortest that covers every slot's length (the Pallas kernels already
     stop at each sequence's length).
+  cascade: GRPO groups attend to their prompt's shared full pages once per group in
+    flight: the group's slots are folded into the query-head axis for the prefix
+    (`rlx.kernels.cascade_attention`), each slot's own pages are attended per slot, and
+    the two merge by log-sum-exp. Each shared prompt page is then read once per group and
+    decode step instead of once per slot: a gain for the Pallas kernels on an accelerator
+    with long prompts; with the "reference" attention on CPU it costs more than it saves
+    (it gathers pages per row either way). Sliding-window layers keep plain attention.
   """
 
   page_size: int = 16
@@ -102,6 +109,7 @@ class PagedConfig:
   prefill_chunk: int = 8
   slot_buckets: int = 4
   context_buckets: int = 4
+  cascade: bool = False
 
   def __post_init__(self):
     def need(cond, msg):
@@ -122,6 +130,7 @@ class PagedConfig:
     for name in ("prefill_chunk", "slot_buckets", "context_buckets"):
       value = getattr(self, name)
       need(isinstance(value, int) and value >= 1, f"{name}={value!r}, expected a positive int.")
+    need(isinstance(self.cascade, bool), f"cascade={self.cascade!r}, expected a bool.")
 
 
 def _cdiv(a, b):
@@ -210,19 +219,69 @@ class _Attention:
   impl: str
   interpret: bool
   context_buckets: int = 1
+  cascade: bool = False
 
   @classmethod
   def make(cls, pc: PagedConfig) -> "_Attention":
     if pc.attention_impl == "reference":
-      return cls("reference", False, pc.context_buckets)
+      return cls("reference", False, pc.context_buckets, pc.cascade)
     if pc.attention_impl == "pallas":
       # On CPU "auto" is the reference: bucket it too.
       cpu = jax.default_backend() not in ("tpu", "gpu", "cuda", "rocm")
-      return cls("auto", False, pc.context_buckets if cpu else 1)
+      return cls("auto", False, pc.context_buckets if cpu else 1, pc.cascade)
     flavour = pc.interpret_flavour
     if flavour == "auto":
       flavour = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tpu"
-    return cls(flavour, True)
+    return cls(flavour, True, 1, pc.cascade)
+
+  def cascade_attend(self, q_SxHxD, k_pages, v_pages, lengths_S, pages_SxM, groups: "_Groups",
+                     spec):
+    """Shared full prompt pages once per group in flight + each slot's own pages, merged.
+
+    Rows: the distinct groups of the active slots (at most min(S, groups) of them), in
+    group order; slot (group g, child j) is query row j of g's row, its heads folded into
+    the KV heads' query rows, as `cascade_paged_attention` lays them out.
+    """
+    s, hq, d = q_SxHxD.shape
+    hkv, page = k_pages.shape[0], k_pages.shape[2]
+    per_kv, size = hq // hkv, groups.size
+    rows = min(s, groups.pages.shape[0])
+    active = lengths_S > 0
+    key = jnp.where(active, groups.group_S, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, stable=True)
+    ordered = key[order]
+    starts = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+    row_S = jnp.zeros((s,), jnp.int32).at[order].set(jnp.cumsum(starts, dtype=jnp.int32) - 1)
+    put_row = jnp.where(active, row_S, rows)
+    row_group = jnp.zeros((rows,), jnp.int32).at[put_row].set(groups.group_S, mode="drop")
+    row_prefix = jnp.zeros((rows,), jnp.int32).at[put_row].set(groups.full_S * page,
+                                                                 mode="drop")
+    member = jnp.where(active, row_S * size + groups.child_S, rows * size)
+    q_rows = jnp.zeros((rows * size, hq, d), q_SxHxD.dtype).at[member].set(q_SxHxD,
+                                                                           mode="drop")
+    q_fold = (q_rows.reshape(rows, size, hkv, per_kv, d).transpose(0, 2, 1, 3, 4)
+              .reshape(rows, hkv * size * per_kv, d))
+    options = dict(sm_scale=spec.scale, impl=self.impl, interpret=self.interpret,
+                   soft_cap=spec.softcap, return_lse=True)
+    o_pre, lse_pre = kernels.paged_attention(q_fold, k_pages, v_pages, row_prefix,
+                                             groups.pages[row_group], **options)
+    o_pre = (o_pre.reshape(rows, hkv, size, per_kv, d).transpose(0, 2, 1, 3, 4)
+             .reshape(rows * size, hq, d))
+    lse_pre = (lse_pre.reshape(rows, hkv, size, per_kv).transpose(0, 2, 1, 3)
+               .reshape(rows * size, hq))
+    at = jnp.minimum(member, rows * size - 1)
+    o_pre = o_pre[at]
+    lse_pre = jnp.where(active[:, None], lse_pre[at], -jnp.inf)
+    # The slot's own pages start at column full_S (a page-aligned position).
+    cols = pages_SxM.shape[1]
+    own = jnp.take_along_axis(
+        pages_SxM, jnp.minimum(groups.full_S[:, None] + jnp.arange(cols)[None], cols - 1),
+        axis=1)
+    own_len = jnp.where(active, lengths_S - groups.full_S * page, 0)
+    o_own, lse_own = kernels.paged_attention(q_SxHxD, k_pages, v_pages, own_len, own,
+                                             **options)
+    out, _ = kernels.merge_attention_states(o_pre, lse_pre, o_own, lse_own)
+    return out
 
   def __call__(self, q_BxHxD, k_pages, v_pages, lengths_B, pages_BxM, max_pages, spec):
     """Attention over the first lengths_B[b] tokens; max_pages >= every ceil(len / P)."""
@@ -271,6 +330,17 @@ class PrefillContext:
 
 
 @struct.dataclass
+class _Groups:
+  """Per-slot group membership, for cascade attention."""
+
+  group_S: jax.Array  # i32[S] the slot's group (local id)
+  child_S: jax.Array  # i32[S] its index within the group
+  full_S: jax.Array  # i32[S] shared full prompt pages of its group
+  pages: jax.Array  # i32[num_groups, prompt_pages] each group's prompt pages
+  size: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
 class DecodeContext:
   """One token per slot: write its K/V into its page, attend over the slot's pages."""
 
@@ -281,6 +351,7 @@ class DecodeContext:
   write_page_S: jax.Array  # i32; N (out of range) = do not write
   write_slot_S: jax.Array  # i32
   max_pages: jax.Array  # i32[] >= every slot's pages in use (attention reads no further)
+  groups: _Groups | None
   attention: _Attention = struct.field(pytree_node=False)
 
   def layer_attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_pos_BxT, spec):
@@ -290,8 +361,12 @@ class DecodeContext:
         k_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.k[layer].dtype), mode="drop")
     v_pool = self.v[layer].at[:, page, slot].set(
         v_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.v[layer].dtype), mode="drop")
-    out = self.attention(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
-                         self.page_table_SxM, self.max_pages, spec)
+    if self.groups is not None and spec.window is None:
+      out = self.attention.cascade_attend(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
+                                          self.page_table_SxM, self.groups, spec)
+    else:
+      out = self.attention(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
+                           self.page_table_SxM, self.max_pages, spec)
     return out[:, None], self.replace(k=_replace_layer(self.k, layer, k_pool),
                                       v=_replace_layer(self.v, layer, v_pool))
 
@@ -529,6 +604,9 @@ def _decode(model, st: PagedState, inp: _Inputs, lay: _Layout, sp: SamplingParam
       lengths_S=jnp.where(writing, pos + 1, 0),
       write_page_S=jnp.where(writing, page_table[rows, col], n),
       write_slot_S=pos % p, max_pages=jnp.max(jnp.where(writing, col + 1, 1)),
+      groups=(_Groups(group_S=g, child_S=seq % lay.group, full_S=inp.group_lens[g] // p,
+                      pages=st.group_pages, size=lay.group)
+              if attention.cascade and lay.group > 1 else None),
       attention=attention)
   h, ctx = model.hidden(st.cur_tok[:, None], pos[:, None], writing[:, None], ctx)
   h = jnp.where(st.fresh[:, None, None], st.group_hidden[g][:, None].astype(h.dtype), h)

@@ -154,6 +154,34 @@ def test_interpret_kernel_matches_dense(model):
   assert_same_rollout(ref, got)
 
 
+@pytest.mark.parametrize("max_slots,impl", [(0, "reference"), (5, "reference"),
+                                             (6, "interpret")])
+def test_cascade_attention_matches_dense(model, max_slots, impl):
+  """Prompt pages attended once per group in flight, merged with each slot's own pages:
+  the same tokens and log-probs as dense. 0 slots = one per sequence (every group whole);
+  5 = continuous batching (groups split across admissions, slots packed in the tail, so
+  the in-flight groups are any subset); min_len=4 and page 4 make some prompts
+  page-aligned and give every group at least one shared full page."""
+  prompts, lens, keys = make_batch(4, 4, seed=1, min_len=4)
+  ref = run_dense(model, prompts, lens, keys, HOT)
+  buckets = {} if max_slots == 5 else FAST
+  got, stats = run_paged(model, prompts, lens, keys, HOT,
+                         paged.PagedConfig(page_size=4, max_slots=max_slots, cascade=True,
+                                           attention_impl=impl, **buckets), 4)
+  assert_same_rollout(ref, got)
+  assert stats.summary()["pages_at_end"] == 0
+
+
+def test_cascade_keeps_plain_attention_on_sliding_window_layers():
+  model = init_params(CFG_GEMMA, seed=1)
+  prompts, lens, keys = make_batch(4, 2, seed=4, min_len=4)
+  sp = dataclasses.replace(GREEDY, stop_ids=())
+  ref = run_dense(model, prompts, lens, keys, sp)
+  got, _ = run_paged(model, prompts, lens, keys, sp,
+                     paged.PagedConfig(page_size=4, max_slots=3, cascade=True, **FAST), 2)
+  assert_same_rollout(ref, got, atol=2e-5)
+
+
 def test_gemma_switches_sliding_window_match_dense():
   model = init_params(CFG_GEMMA, seed=1)
   prompts, lens, keys = make_batch(4, 2, seed=4)
