@@ -160,9 +160,10 @@ def test_cascade_attention_matches_dense(model, max_slots, impl):
   """Prompt pages attended once per group in flight, merged with each slot's own pages:
   the same tokens and log-probs as dense. 0 slots = one per sequence (every group whole);
   5 = continuous batching (groups split across admissions, slots packed in the tail, so
-  the in-flight groups are any subset); min_len=4 and page 4 make some prompts
-  page-aligned and give every group at least one shared full page."""
-  prompts, lens, keys = make_batch(4, 4, seed=1, min_len=4)
+  the in-flight groups are any subset). Prompt lengths 12, 10, 1, 10 with pages of 4: a
+  page-aligned prompt, partial last pages, and a prompt with no shared full page."""
+  prompts, lens, keys = make_batch(4, 4, seed=5)
+  assert list(lens[::4]) == [12, 10, 1, 10]
   ref = run_dense(model, prompts, lens, keys, HOT)
   buckets = {} if max_slots == 5 else FAST
   got, stats = run_paged(model, prompts, lens, keys, HOT,
