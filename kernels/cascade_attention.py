@@ -104,7 +104,7 @@ def cascade_paged_attention(
     raise ValueError(f"q must be [B, Hq, D] and k_pages [Hkv, N, P, D], got "
                      f"shapes {getattr(q, 'shape', q)} and "
                      f"{getattr(k_pages, 'shape', k_pages)}.")
-  batch, num_q_heads, head_dim = q.shape
+  batch, num_q_heads, _ = q.shape
   num_kv_heads = k_pages.shape[0]
   if getattr(prefix_lengths, "ndim", None) != 1:
     raise ValueError(f"prefix_lengths must be [num_groups], got shape "
@@ -117,24 +117,38 @@ def cascade_paged_attention(
   if num_q_heads % num_kv_heads:
     raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
                      f"num_kv_heads={num_kv_heads}.")
-  per_kv = num_q_heads // num_kv_heads
   options = dict(sm_scale=sm_scale, impl=impl, interpret=interpret,
                  return_lse=True, soft_cap=soft_cap,
                  pages_per_block=pages_per_block, num_splits=num_splits)
-
-  # [g*G + j, h*Hg + r] -> [g, h*G*Hg + j*Hg + r]: the group's samples become
-  # extra GQA rows of each KV head.
-  q_prefix = (q.reshape(num_groups, group_size, num_kv_heads, per_kv, head_dim)
-              .transpose(0, 2, 1, 3, 4)
-              .reshape(num_groups, num_kv_heads * group_size * per_kv, head_dim))
-  o_prefix, lse_prefix = pa.paged_attention(
-      q_prefix, k_pages, v_pages, prefix_lengths, prefix_page_indices, **options)
-  o_prefix = (o_prefix.reshape(num_groups, num_kv_heads, group_size, per_kv, head_dim)
-              .transpose(0, 2, 1, 3, 4).reshape(batch, num_q_heads, head_dim))
-  lse_prefix = (lse_prefix.reshape(num_groups, num_kv_heads, group_size, per_kv)
-                .transpose(0, 2, 1, 3).reshape(batch, num_q_heads))
-
+  o_prefix, lse_prefix = group_prefix_attention(
+      q, k_pages, v_pages, prefix_lengths, prefix_page_indices,
+      group_size=group_size, **options)
   o_suffix, lse_suffix = pa.paged_attention(
       q, k_pages, v_pages, suffix_lengths, suffix_page_indices, **options)
   out, lse = merge_attention_states(o_prefix, lse_prefix, o_suffix, lse_suffix)
   return (out, lse) if return_lse else out
+
+
+def group_prefix_attention(q, k_pages, v_pages, prefix_lengths, prefix_page_indices, *,
+                           group_size: int, **options):
+  """The prefix half of the cascade: (o [B, Hq, D], f32 lse [B, Hq]), group-major rows.
+
+  One ``paged_attention`` call over ``num_groups`` rows: row ``g * G + j`` of ``q``
+  (heads ``h * Hg + r``) becomes query row ``h * G * Hg + j * Hg + r`` of group ``g``,
+  so each prefix page is read once per group. ``options`` go to ``paged_attention``
+  (``return_lse`` is forced on).
+  """
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads = k_pages.shape[0]
+  per_kv = num_q_heads // num_kv_heads
+  num_groups = batch // group_size
+  q_fold = (q.reshape(num_groups, group_size, num_kv_heads, per_kv, head_dim)
+            .transpose(0, 2, 1, 3, 4)
+            .reshape(num_groups, num_kv_heads * group_size * per_kv, head_dim))
+  o, lse = pa.paged_attention(q_fold, k_pages, v_pages, prefix_lengths,
+                              prefix_page_indices, **{**options, "return_lse": True})
+  o = (o.reshape(num_groups, num_kv_heads, group_size, per_kv, head_dim)
+       .transpose(0, 2, 1, 3, 4).reshape(batch, num_q_heads, head_dim))
+  lse = (lse.reshape(num_groups, num_kv_heads, group_size, per_kv)
+         .transpose(0, 2, 1, 3).reshape(batch, num_q_heads))
+  return o, lse

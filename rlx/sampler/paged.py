@@ -239,12 +239,11 @@ class _Attention:
     """Shared full prompt pages once per group in flight + each slot's own pages, merged.
 
     Rows: the distinct groups of the active slots (at most min(S, groups) of them), in
-    group order; slot (group g, child j) is query row j of g's row, its heads folded into
-    the KV heads' query rows, as `cascade_paged_attention` lays them out.
+    group order; slot (group g, child j) is sample j of g's row, laid out group-major for
+    `rlx.kernels.group_prefix_attention` (the prefix half of `cascade_paged_attention`).
     """
     s, hq, d = q_SxHxD.shape
-    hkv, page = k_pages.shape[0], k_pages.shape[2]
-    per_kv, size = hq // hkv, groups.size
+    page, size = k_pages.shape[2], groups.size
     rows = min(s, groups.pages.shape[0])
     active = lengths_S > 0
     key = jnp.where(active, groups.group_S, jnp.iinfo(jnp.int32).max)
@@ -259,16 +258,11 @@ class _Attention:
     member = jnp.where(active, row_S * size + groups.child_S, rows * size)
     q_rows = jnp.zeros((rows * size, hq, d), q_SxHxD.dtype).at[member].set(q_SxHxD,
                                                                            mode="drop")
-    q_fold = (q_rows.reshape(rows, size, hkv, per_kv, d).transpose(0, 2, 1, 3, 4)
-              .reshape(rows, hkv * size * per_kv, d))
     options = dict(sm_scale=spec.scale, impl=self.impl, interpret=self.interpret,
                    soft_cap=spec.softcap, return_lse=True)
-    o_pre, lse_pre = kernels.paged_attention(q_fold, k_pages, v_pages, row_prefix,
-                                             groups.pages[row_group], **options)
-    o_pre = (o_pre.reshape(rows, hkv, size, per_kv, d).transpose(0, 2, 1, 3, 4)
-             .reshape(rows * size, hq, d))
-    lse_pre = (lse_pre.reshape(rows, hkv, size, per_kv).transpose(0, 2, 1, 3)
-               .reshape(rows * size, hq))
+    o_pre, lse_pre = kernels.group_prefix_attention(
+        q_rows, k_pages, v_pages, row_prefix, groups.pages[row_group], group_size=size,
+        **options)
     at = jnp.minimum(member, rows * size - 1)
     o_pre = o_pre[at]
     lse_pre = jnp.where(active[:, None], lse_pre[at], -jnp.inf)
