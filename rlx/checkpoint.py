@@ -48,7 +48,6 @@ class Checkpointer:
                                       meta=ocp.args.JsonSave(meta)), force=force)
 
   def read_meta(self, step: int) -> dict[str, Any]:
-    path = os.path.join(self.directory, str(step), "meta")
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       return dict(out["meta"])

@@ -184,7 +184,6 @@ def defaults() -> mlc.ConfigDict:
   c.eval_every = 25
   c.checkpoint_every = 50
   c.keep_checkpoints = 2
-  c.log_every = 1
   c.fused_step = False  # True: one jitted step (no generation/update time split)
 
   c.task = mlc.ConfigDict()

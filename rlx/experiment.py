@@ -19,9 +19,7 @@ import os
 import time
 from typing import Any
 
-import jax
 import ml_collections as mlc
-import numpy as np
 import tensorflow_datasets as tfds
 
 from rlx import configs, distributed

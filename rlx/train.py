@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from rlx import sharding as shd
 from rlx.data.tasks import PromptPool, exact_match_reward
 from rlx.model import transformer
-from rlx.model.config import ModelConfig
 from rlx.rl import advantages as adv_lib
 from rlx.rl import length as length_lib
 from rlx.rl import replay as replay_lib

@@ -1,10 +1,7 @@
 """End to end: the runlocal experiment trains, logs, checkpoints and resumes; bad input fails
 with one clear message."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 

@@ -7,7 +7,6 @@ one compilation of the whole decode loop (~3 s on CPU).
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
