@@ -11,6 +11,9 @@ Conventions every implementation follows (the tests hold them to it):
 
 * Logits are ``sm_scale * q.k`` accumulated in f32, then optionally soft-capped
   (Gemma 2: ``cap * tanh(logits / cap)``); softmax runs in f32.
+* f32 inputs get full-f32 matmuls (``Precision.HIGHEST``) everywhere: on NVIDIA
+  GPUs XLA and Triton would otherwise use TF32 (~1e-3 relative error). bf16
+  inputs keep the default (fast) matmuls.
 * ``sliding_window=W`` attends only to the last ``W`` tokens ``[len - W, len)``.
 * A sequence with ``lengths[b] == 0`` gets output 0 and log-sum-exp ``-inf``
   (``merge_attention_states`` in ``cascade_attention`` relies on this).

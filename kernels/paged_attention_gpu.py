@@ -73,6 +73,10 @@ def _paged_decode_kernel(
   rows = q_ref.shape[0]
   block = pages_per_block * page_size
   compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+  # f32 inputs get true f32 matmuls: Triton's default for f32 dots is TF32
+  # (10 mantissa bits, ~1e-3 relative error); HIGHEST lowers to IEEE. 16-bit
+  # inputs keep the default (the fast MMA path).
+  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
   length = lengths_ref[0]
   start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
@@ -88,7 +92,7 @@ def _paged_decode_kernel(
     valid = (pos >= start) & (pos < length)
 
     k = k_ref[pages].reshape(block, head_dim).astype(compute_dtype)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
@@ -101,7 +105,7 @@ def _paged_decode_kernel(
     v = v_ref[pages].reshape(block, head_dim).astype(compute_dtype)
     v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
     pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+                         precision=precision, preferred_element_type=jnp.float32)
     return m_next, l_next, alpha[:, None] * acc_prev + pv
 
   init = (jnp.full((rows,), -jnp.inf, jnp.float32),

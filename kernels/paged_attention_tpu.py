@@ -77,6 +77,10 @@ def _paged_decode_kernel(
       copy.start()
 
   q = q_ref[...].astype(compute_dtype)
+  # f32 inputs get true f32 matmuls (Mosaic's default f32 contraction, and
+  # XLA's on GPU in interpret mode, may use reduced-precision passes); 16-bit
+  # inputs keep the default.
+  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
   def body(i, carry):
     m_prev, l_prev, acc_prev = carry
@@ -91,7 +95,7 @@ def _paged_decode_kernel(
     for copy in k_copies:
       copy.wait()
     k = k_buf[slot].reshape(block, head_dim).astype(compute_dtype)
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
@@ -109,7 +113,7 @@ def _paged_decode_kernel(
     v_pos = i * block + lax.broadcasted_iota(jnp.int32, (block, head_dim), 0)
     v = jnp.where((v_pos >= start) & (v_pos < length), v, jnp.zeros_like(v))
     pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+                         precision=precision, preferred_element_type=jnp.float32)
     return m_next, l_next, alpha * acc_prev + pv
 
   init = (jnp.full((group, 1), -jnp.inf, jnp.float32),
