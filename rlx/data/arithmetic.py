@@ -188,13 +188,61 @@ class Arithmetic(tfds.core.GeneratorBasedBuilder):
                                        "difficulty": digits}
 
 
+def _one_line(text, limit: int = 160) -> str:
+  text = " ".join(str(text).split())
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _corrupt(directory: str, error: BaseException, regenerate: str) -> ValueError:
+  return ValueError(f"The prepared dataset in {directory} cannot be read ({_one_line(error)}); "
+                    f"its files are corrupt: delete {directory} and {regenerate}.")
+
+
+def open_prepared(builder_cls, config: tfds.core.BuilderConfig, data_dir: str, regenerate: str,
+                  download_config=None) -> dict[str, Sequence[dict]]:
+  """Prepares builder_cls(config) in data_dir once and returns its data sources by split.
+
+  A prepared directory whose metadata cannot be read is a ValueError that names it and says
+  `regenerate` (what deleting it does).
+  """
+  prepared = os.path.join(data_dir, builder_cls.name, config.name, str(builder_cls.VERSION))
+  existed = os.path.isdir(prepared)
+  try:
+    builder = builder_cls(config=config, data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare(download_config=download_config)
+    return builder.as_data_source()
+  except Exception as e:  # pylint: disable=broad-except  # TFDS, protobuf and JSON errors
+    if not existed:
+      raise
+    raise _corrupt(prepared, e, regenerate) from e
+
+
+def read_prepared(source, regenerate: str) -> list[dict]:
+  """All examples of a data source from open_prepared, with str text fields.
+
+  An unreadable shard (or one that reads as empty records) is a ValueError that names the
+  prepared directory and says `regenerate` (what deleting it does).
+  """
+  directory = source.dataset_info.data_dir
+  examples = []
+  for i in range(len(source)):
+    try:
+      ex = decode_example(source[i])
+    except Exception as e:  # pylint: disable=broad-except  # array_record raises RuntimeError
+      raise _corrupt(directory, e, regenerate) from e
+    if not ex or any(v is None for v in ex.values()):  # a truncated shard gives empty records
+      raise _corrupt(directory, f"example {i} of split {source.split!r} is empty", regenerate)
+    examples.append(ex)
+  return examples
+
+
+_REGENERATE = "the next run generates it again"
+
+
 def build(spec: ArithmeticSpec, data_dir: str) -> dict[str, Sequence[dict]]:
   """Prepares (once, cached in data_dir) and returns {'train': source, 'eval': source}."""
   os.makedirs(data_dir, exist_ok=True)
-  builder = Arithmetic(config=ArithmeticConfig(spec), data_dir=data_dir,
-                       file_format="array_record")
-  builder.download_and_prepare()
-  sources = builder.as_data_source()
+  sources = open_prepared(Arithmetic, ArithmeticConfig(spec), data_dir, _REGENERATE)
   return {"train": sources["train"], "eval": sources["eval"]}
 
 
@@ -204,4 +252,5 @@ def decode_example(ex: dict) -> dict:
 
 
 def read_all(source) -> list[dict]:
-  return [decode_example(source[i]) for i in range(len(source))]
+  """All examples of a source from build(); a corrupt shard is a ValueError naming its dir."""
+  return read_prepared(source, _REGENERATE)

@@ -35,6 +35,7 @@ in data_dir under a fingerprint of the files' contents, so edited files are prep
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -44,7 +45,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import tensorflow_datasets as tfds
 
-from rlx.data import math_verify
+from rlx.data import arithmetic, math_verify
 
 SPLIT_FILES = {"train": "train.jsonl", "test": "test.jsonl"}
 KINDS = ("gsm8k", "math")
@@ -60,6 +61,12 @@ _WHERE_TO_GET = {
 
 class DataFileError(ValueError):
   """A missing manual_dir or file, a malformed line or a missing field (one clear sentence)."""
+
+
+def _short(value: Any, limit: int = 80) -> str:
+  """repr(value), cut to about `limit` characters: one JSONL line can hold megabytes."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 # ---- parsing one row -------------------------------------------------------------------------
@@ -87,7 +94,7 @@ def math_level(level: Any) -> int | None:
   if isinstance(level, int):
     return level if 0 <= level <= 10 else None
   if isinstance(level, str):
-    m = re.fullmatch(r"\s*(?:Level\s*)?(\d+|\?)\s*", level, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(?:Level\s*)?(\d{1,3}|\?)\s*", level, re.IGNORECASE)
     if m:
       return 0 if m.group(1) == "?" else int(m.group(1))
   return None
@@ -96,10 +103,10 @@ def math_level(level: Any) -> int | None:
 def _field(row: dict, name: str, where: str, expected: str) -> str:
   if name not in row:
     raise DataFileError(f"{where}: missing field {name!r}; expected {expected} "
-                        f"(got fields {sorted(row)}).")
+                        f"(got fields {_short(sorted(row))}).")
   value = row[name]
   if not isinstance(value, str):
-    raise DataFileError(f"{where}: field {name!r} is {type(value).__name__} {value!r}; "
+    raise DataFileError(f"{where}: field {name!r} is {type(value).__name__} {_short(value)}; "
                         f"expected a string.")
   return value
 
@@ -124,10 +131,10 @@ def parse_math_row(row: dict, where: str, default_id: str) -> dict:
   problem = _field(row, "problem", where, _MATH_FIELDS)
   if "level" not in row:
     raise DataFileError(f"{where}: missing field 'level'; expected {_MATH_FIELDS} "
-                        f"(got fields {sorted(row)}).")
+                        f"(got fields {_short(sorted(row))}).")
   level = math_level(row["level"])
   if level is None:
-    raise DataFileError(f"{where}: field 'level' is {row['level']!r}; expected 'Level 1'.."
+    raise DataFileError(f"{where}: field 'level' is {_short(row['level'])}; expected 'Level 1'.."
                         f"'Level 5' (MATH) or an int 1..5 (MATH-500).")
   if "answer" in row:  # MATH-500 style: the answer is given
     answer = _field(row, "answer", where, _MATH_FIELDS).strip()
@@ -152,11 +159,19 @@ _PARSERS = {"gsm8k": parse_gsm8k_row, "math": parse_math_row}
 def read_jsonl_examples(path: str, kind: str, split: str) -> Iterator[dict]:
   """Parses one JSONL file into examples; errors name the file and line."""
   parse = _PARSERS[kind]
-  with open(path, encoding="utf-8-sig") as f:  # -sig: tolerate a byte-order mark
-    for line_no, line in enumerate(f, start=1):
+  rows = 0
+  with open(path, "rb") as f:  # bytes, so that a non-UTF-8 line is reported with its number
+    for line_no, raw in enumerate(f, start=1):
+      where = f"{path}:{line_no}"
+      if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # tolerate a byte-order mark
+        raw = raw[len(codecs.BOM_UTF8):]
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataFileError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                            f"{e.start + 1}); expected a UTF-8 JSONL file.") from None
       if not line.strip():
         continue
-      where = f"{path}:{line_no}"
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
@@ -165,7 +180,11 @@ def read_jsonl_examples(path: str, kind: str, split: str) -> Iterator[dict]:
       if not isinstance(row, dict):
         raise DataFileError(f"{where}: a line holds a JSON {type(row).__name__}; expected "
                             f"one JSON object per line.")
+      rows += 1
       yield parse(row, where, f"{split}-{line_no}")
+  if not rows:
+    raise DataFileError(f"{path} has no rows; expected one JSON object per line "
+                        f"({_GSM8K_FIELDS if kind == 'gsm8k' else _MATH_FIELDS}).")
 
 
 # ---- files -----------------------------------------------------------------------------------
@@ -265,14 +284,18 @@ def build(kind: str, manual_dir: str, data_dir: str) -> dict[str, Sequence[dict]
   config = tfds.core.BuilderConfig(name="files-" + fingerprint(list(files.values())),
                                    description=f"{kind} from {sorted(files.values())}")
   os.makedirs(data_dir, exist_ok=True)
-  builder = BUILDERS[kind](config=config, data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-      manual_dir=os.path.expanduser(manual_dir)))
-  sources = builder.as_data_source()
+  sources = arithmetic.open_prepared(
+      BUILDERS[kind], config, data_dir, _REGENERATE,
+      download_config=tfds.download.DownloadConfig(manual_dir=os.path.expanduser(manual_dir)))
   return {split: sources[split] for split in files}
 
 
+_REGENERATE = "the next run prepares it again from the JSONL files in manual_dir"
+
+
 def read_all(source) -> list[dict]:
-  """All examples of a data source, with str (not bytes) text fields."""
-  return [{k: (v.decode() if isinstance(v, bytes) else v) for k, v in source[i].items()}
-          for i in range(len(source))]
+  """All examples of a source from build(), with str (not bytes) text fields.
+
+  A corrupt shard is a ValueError that names the prepared directory.
+  """
+  return arithmetic.read_prepared(source, _REGENERATE)

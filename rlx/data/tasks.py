@@ -22,6 +22,12 @@ from flax import struct
 from rlx.data.tokenizer import Tokenizer
 
 
+def _short(value, limit: int = 80) -> str:
+  """repr(value), cut to about `limit` characters (a prompt can be megabytes long)."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 @struct.dataclass
 class PromptPool:
   prompts: jax.Array
@@ -71,14 +77,14 @@ def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len
     p = tokenizer.encode(ex["prompt"], add_special_tokens=add_special_tokens)
     if len(p) > max_prompt_len:
       raise ValueError(
-          f"{task_name}: example {i} prompt {ex['prompt']!r} has {len(p)} tokens, "
+          f"{task_name}: example {i} prompt {_short(ex['prompt'])} has {len(p)} tokens, "
           f"longer than the maximum prompt length {max_prompt_len}; raise "
           f"config.sampler.max_prompt_len or drop the example.")
     a = tokenizer.encode(ex["answer"]) + [tokenizer.eos_id]
     if len(a) > max_answer_len:
       raise ValueError(
-          f"{task_name}: example {i} answer {ex['answer']!r} has {len(a)} tokens (with EOS), "
-          f"longer than the maximum answer length {max_answer_len}.")
+          f"{task_name}: example {i} answer {_short(ex['answer'])} has {len(a)} tokens "
+          f"(with EOS), longer than the maximum answer length {max_answer_len}.")
     prompts[i, max_prompt_len - len(p):] = p
     prompt_lens[i] = len(p)
     answers[i, :len(a)] = a

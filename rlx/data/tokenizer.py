@@ -13,19 +13,23 @@ Token ids and the chat template come from a Hugging Face directory's tokenizer_c
 special_tokens_map.json (which overrides it, as in transformers), generation_config.json (its
 eos_token_id may be a list: those are the extra stop ids) or config.json, and
 chat_template.jinja. Chat templates render in the same sandboxed jinja2 environment
-transformers uses, so instruct models get prompts in their own format.
+transformers uses, so instruct models get prompts in their own format. A broken template
+(syntax error, raise_exception(...), sandbox violation, a render still running after
+CHAT_TEMPLATE_TIME_LIMIT_S) is a one-line ValueError that names the file it came from.
 
 A tokenizer trained by `train_sentencepiece` has fixed special ids: pad=0, unk=1, bos=2, eos=3.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import io
 import json
 import os
 import re
+import time
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -47,19 +51,45 @@ def _token_str(value) -> str | None:
 
 
 def _read_json(path: str) -> dict[str, Any]:
+  """A JSON object file's contents; {} when the file does not exist."""
   if not os.path.exists(path):
     return {}
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path} is not valid JSON ({e}).") from e
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                     f"{e.start}); expected a UTF-8 JSON file.") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column "
+                     f"{e.colno}).") from None
+  except OSError as e:
+    raise ValueError(f"{path} cannot be read ({e.strerror or e}).") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} holds a JSON {type(value).__name__}; expected a JSON object.")
+  return value
 
 
-def _ids(value) -> list[int]:
+def _one_line(text: Any, limit: int = 200) -> str:
+  """str(text) with whitespace runs collapsed to one space, cut to about `limit` characters."""
+  text = " ".join(str(text).split())
+  return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+  """repr(value), cut to about `limit` characters (values in error messages can be huge)."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _ids(value, path: str, key: str) -> list[int]:
   if value is None:
     return []
-  return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+  try:
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+  except (TypeError, ValueError):
+    raise ValueError(f"{path}: {key} is {_short(value)}; expected a token id or a list of "
+                     f"ids.") from None
 
 
 @dataclasses.dataclass
@@ -71,6 +101,7 @@ class HFMeta:
   add_eos_token: bool | None = None
   legacy: bool | None = None
   chat_template: str | None = None
+  chat_template_file: str | None = None  # named in template errors
   added_tokens: list[str] = dataclasses.field(default_factory=list)  # split out before encoding
   generation_eos_ids: list[int] = dataclasses.field(default_factory=list)
   generation_pad_id: int | None = None
@@ -79,54 +110,97 @@ class HFMeta:
 
   @classmethod
   def from_dir(cls, directory: str) -> "HFMeta":
-    config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    config = _read_json(config_path)
     special_map = _read_json(os.path.join(directory, "special_tokens_map.json"))
-    gen = _read_json(os.path.join(directory, "generation_config.json"))
+    gen_path = os.path.join(directory, "generation_config.json")
+    gen = _read_json(gen_path)
     if not gen:  # transformers derives the generation config from config.json then
-      gen = _read_json(os.path.join(directory, "config.json"))
-      gen = {**gen.get("text_config", {}), **{k: v for k, v in gen.items() if v is not None}}
+      gen_path = os.path.join(directory, "config.json")
+      gen = _read_json(gen_path)
+      text_config = gen.get("text_config") or {}
+      if not isinstance(text_config, dict):
+        raise ValueError(f"{gen_path}: text_config is {_short(text_config)}; expected a JSON "
+                         f"object.")
+      gen = {**text_config, **{k: v for k, v in gen.items() if v is not None}}
     special = {}
     for name in _SPECIAL_NAMES:
       value = _token_str(special_map.get(name)) or _token_str(config.get(name))
       if value is not None:
         special[name] = value
-    added = [_token_str(t) for t in (config.get("added_tokens_decoder") or {}).values()]
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+      raise ValueError(f"{config_path}: added_tokens_decoder is {_short(decoder)}; expected a "
+                       f"JSON object {{id: token}}.")
+    added = [_token_str(t) for t in decoder.values()]
+    chat_template, chat_template_file = _load_chat_template(directory, config)
     return cls(
         special_tokens=special,
         add_bos_token=config.get("add_bos_token"),
         add_eos_token=config.get("add_eos_token"),
         legacy=config.get("legacy"),
-        chat_template=_load_chat_template(directory, config),
+        chat_template=chat_template,
+        chat_template_file=chat_template_file,
         added_tokens=[t for t in added if t],
-        generation_eos_ids=_ids(gen.get("eos_token_id")),
-        generation_pad_id=(_ids(gen.get("pad_token_id")) or [None])[0],
-        generation_bos_id=(_ids(gen.get("bos_token_id")) or [None])[0],
+        generation_eos_ids=_ids(gen.get("eos_token_id"), gen_path, "eos_token_id"),
+        generation_pad_id=(_ids(gen.get("pad_token_id"), gen_path, "pad_token_id") or [None])[0],
+        generation_bos_id=(_ids(gen.get("bos_token_id"), gen_path, "bos_token_id") or [None])[0],
         tokenizer_config=config,
     )
 
 
-def _load_chat_template(directory: str, config: Mapping[str, Any]) -> str | None:
+def _load_chat_template(directory: str,
+                        config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+  """(template, the file it came from)."""
   jinja = os.path.join(directory, "chat_template.jinja")
   if os.path.exists(jinja):
-    with open(jinja, encoding="utf-8") as f:
-      return f.read()
-  template = _read_json(os.path.join(directory, "chat_template.json")).get("chat_template")
-  template = template or config.get("chat_template")
+    try:
+      with open(jinja, encoding="utf-8") as f:
+        return f.read(), jinja
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{jinja} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                       f"{e.start}); expected a UTF-8 jinja2 template.") from None
+  path = os.path.join(directory, "chat_template.json")
+  template = _read_json(path).get("chat_template")
+  if not template:
+    path = os.path.join(directory, "tokenizer_config.json")
+    template = config.get("chat_template")
   if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
-    named = {t["name"]: t["template"] for t in template}
-    template = named.get("default")
-  return template
+    if not all(isinstance(t, Mapping) and "name" in t and "template" in t for t in template):
+      raise ValueError(f"{path}: chat_template is {_short(template)}; expected a string or a "
+                       f"list of {{'name': ..., 'template': ...}}.")
+    template = {t["name"]: t["template"] for t in template}.get("default")
+  if template is not None and not isinstance(template, str):
+    raise ValueError(f"{path}: chat_template is {_short(template)}; expected a jinja2 template "
+                     f"string.")
+  return template, (path if template else None)
 
 
 # ============================================================================= chat templates
 
 
-@functools.lru_cache(maxsize=16)
-def _compile_template(template: str):
+# A chat template renders in well under a millisecond. The sandbox caps each range() at 100,000
+# items but not loops nested in loops, so a render that runs this long is stopped.
+CHAT_TEMPLATE_TIME_LIMIT_S = 10.0
+_MAX_SEQUENCE = 10_000_000  # longest str / list a template may build with `*`
+_MAX_POWER_BITS = 1 << 16  # largest int a template may build with `**`
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "rlx_chat_template_deadline", default=None)
+
+
+class _TemplateTimeout(Exception):
+  """A render ran past its deadline."""
+
+
+class _TemplateRaised(Exception):
+  """A template called raise_exception(message)."""
+
+
+@functools.cache
+def _environment():
+  """transformers' chat-template environment, plus a time budget checked in every block."""
   try:
-    import jinja2  # pylint: disable=g-import-not-at-top
-    from jinja2 import ext, nodes  # pylint: disable=g-import-not-at-top
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
+    from jinja2 import compiler, ext, nodes, sandbox  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError("Chat templates need jinja2: pip install 'jinja2>=3.1'.") from e
 
@@ -142,33 +216,107 @@ def _compile_template(template: str):
     def _render(self, caller):
       return caller()
 
+  class BudgetedCodeGenerator(compiler.CodeGenerator):
+    """Compiles a deadline check into every block body, so into every loop iteration."""
+
+    def blockvisit(self, body, frame):
+      self.writeline("environment.check_deadline()")
+      super().blockvisit(body, frame)
+
+  class Environment(sandbox.ImmutableSandboxedEnvironment):
+    code_generator_class = BudgetedCodeGenerator
+    intercepted_binops = frozenset({"*", "**"})  # single C calls the deadline cannot stop
+
+    def check_deadline(self):
+      deadline = _DEADLINE.get()
+      if deadline is not None and time.monotonic() > deadline:
+        raise _TemplateTimeout()
+
+    def call_binop(self, context, operator, left, right):
+      if (operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0
+          and abs(left).bit_length() * right > _MAX_POWER_BITS):
+        raise sandbox.SecurityError(f"{_short(left)} ** {_short(right)} is too large.")
+      if operator == "*":
+        for seq, times in ((left, right), (right, left)):
+          if (isinstance(seq, (str, list, tuple)) and isinstance(times, int)
+              and len(seq) * times > _MAX_SEQUENCE):
+            raise sandbox.SecurityError(f"repeating a {type(seq).__name__} of length "
+                                        f"{len(seq)} {times} times is too large.")
+      return super().call_binop(context, operator, left, right)
+
   def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
+    raise _TemplateRaised(message)
 
   def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # As transformers: no HTML escaping, and the json.dumps options exposed.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[GenerationTag, ext.loopcontrols])
+  env = Environment(trim_blocks=True, lstrip_blocks=True,
+                    extensions=[GenerationTag, ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-  return env.from_string(template)
+  return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(template: str):
+  return _environment().from_string(template)
+
+
+def _template_line(error: BaseException) -> str:
+  """' at line N' of the template where `error` was raised, or ''."""
+  line = getattr(error, "lineno", None)
+  tb = error.__traceback__
+  while tb is not None:  # jinja2 rewrites tracebacks so template frames carry template lines
+    if tb.tb_frame.f_code.co_filename == "<template>":
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return f" at line {line}" if line else ""
 
 
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], *,
                          add_generation_prompt: bool = True,
                          special_tokens: Mapping[str, str] | None = None,
-                         tools: list[dict] | None = None, **kwargs) -> str:
-  """Renders a Hugging Face chat template exactly as transformers' apply_chat_template does."""
+                         tools: list[dict] | None = None, template_file: str | None = None,
+                         time_limit_s: float | None = None, **kwargs) -> str:
+  """Renders a Hugging Face chat template exactly as transformers' apply_chat_template does.
+
+  A broken template (syntax error, raise_exception(...), a sandbox violation, a render longer
+  than time_limit_s, default CHAT_TEMPLATE_TIME_LIMIT_S) raises a one-line ValueError that
+  names template_file.
+  """
+  _environment()  # a clear ImportError without jinja2
+  import jinja2.sandbox  # pylint: disable=g-import-not-at-top
   for m in messages:
     if not isinstance(m, Mapping) or "role" not in m:
-      raise ValueError(f"Chat message {m!r}: expected a dict with 'role' and 'content'.")
-  return _compile_template(template).render(
-      messages=[dict(m) for m in messages], tools=tools, documents=None,
-      add_generation_prompt=add_generation_prompt, **{**dict(special_tokens or {}), **kwargs})
+      raise ValueError(f"Chat message {_short(m)}: expected a dict with 'role' and 'content'.")
+  where = f"The chat template in {template_file}" if template_file else "The chat template"
+  try:
+    compiled = _compile_template(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f"{where} is not valid jinja2{_template_line(e)}: "
+                     f"{_one_line(e.message)}") from e
+  limit = CHAT_TEMPLATE_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+  token = _DEADLINE.set(time.monotonic() + limit)
+  try:
+    return compiled.render(
+        messages=[dict(m) for m in messages], tools=tools, documents=None,
+        add_generation_prompt=add_generation_prompt, **{**dict(special_tokens or {}), **kwargs})
+  except _TemplateTimeout:
+    raise ValueError(f"{where} was still rendering after {limit:g} s; expected it to finish in "
+                     f"milliseconds (look for loops nested in loops).") from None
+  except jinja2.sandbox.SecurityError as e:
+    raise ValueError(f"{where} did something the sandbox forbids{_template_line(e)}: "
+                     f"{_one_line(e)}") from e
+  except _TemplateRaised as e:  # e.g. "Conversation roles must alternate user/assistant/..."
+    raise ValueError(f"{where} raised an error{_template_line(e)}: {_one_line(e)}") from e
+  except Exception as e:  # pylint: disable=broad-except  # undefined names, 1/0, 'a' + 1, ...
+    raise ValueError(f"{where} failed{_template_line(e)}: {type(e).__name__}: "
+                     f"{_one_line(e)}") from e
+  finally:
+    _DEADLINE.reset(token)
 
 
 class _Common:
@@ -192,7 +340,9 @@ class _Common:
                        "tokenizer_config.json and no chat_template.jinja).")
     return render_chat_template(self.chat_template, messages,
                                 add_generation_prompt=add_generation_prompt,
-                                special_tokens=self.meta.special_tokens, **kwargs)
+                                special_tokens=self.meta.special_tokens,
+                                template_file=self.meta.chat_template_file or self.path,
+                                **kwargs)
 
   def encode_chat(self, messages, *, add_generation_prompt: bool = True, **kwargs) -> list[int]:
     """Token ids of the rendered chat (as transformers: no special tokens added on top)."""
