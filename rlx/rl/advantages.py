@@ -27,7 +27,9 @@ def group_advantages(rewards_N, group_size: int, mode: str = "grpo", eps: float 
   r = rewards_N.astype(jnp.float32).reshape(-1, group_size)
   mean = r.mean(axis=1, keepdims=True)
   centered = r - mean
-  zero_var = jnp.all(jnp.abs(centered) < 1e-12, axis=1)
+  # Exact equality, not |r - mean| < tol: the f32 mean of equal non-dyadic rewards (0.1, 2.2)
+  # is off by an ulp, and grpo would divide that rounding error by a noise-sized std.
+  zero_var = jnp.all(r == r[:, :1], axis=1)
   if mode == "grpo":
     std = jnp.sqrt(jnp.sum(centered ** 2, axis=1, keepdims=True) / (group_size - 1))
     adv = centered / (std + eps)
@@ -35,4 +37,5 @@ def group_advantages(rewards_N, group_size: int, mode: str = "grpo", eps: float 
     adv = centered
   else:
     adv = centered * (group_size / (group_size - 1))
+  adv = jnp.where(zero_var[:, None], 0.0, adv)
   return adv.reshape(-1), zero_var

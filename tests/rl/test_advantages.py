@@ -44,3 +44,16 @@ def test_group_size_one_is_rejected(mode):
 def test_unknown_mode():
   with pytest.raises(ValueError, match=r"advantage mode 'ppo'; expected one of"):
     group_advantages(REWARDS, 4, "ppo")
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("group_size", [3, 5, 7, 16])
+@pytest.mark.parametrize("value", [0.1, 0.9, 2.2, 1 / 3])
+def test_equal_non_dyadic_rewards_have_exactly_zero_advantage(mode, group_size, value):
+  # f32 mean of G copies of 2.2 is off by an ulp; that rounding must not become a signal.
+  rewards = np.concatenate([np.full((group_size,), value, np.float32),
+                            np.arange(group_size, dtype=np.float32) * value])
+  adv, zero = group_advantages(rewards, group_size, mode)
+  np.testing.assert_array_equal(np.asarray(adv)[:group_size], 0.0)
+  np.testing.assert_array_equal(zero, [True, False])
+  assert np.all(np.asarray(adv)[group_size:] != 0) or group_size % 2 == 1  # odd G: median is 0
