@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -64,9 +65,20 @@ class ModelConfig:
         raise ValueError(f"ModelConfig: {msg}")
 
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
-                 "head_dim", "mlp_dim"):
+                 "head_dim", "mlp_dim", "max_position", "rope_original_max_position"):
       value = getattr(self, name)
-      need(isinstance(value, int) and value > 0, f"{name}={value!r}, expected a positive int")
+      need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+           f"{name}={value!r}, expected a positive int")
+    optional = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                "rope_local_theta", "sliding_window")
+    for name in ("norm_eps", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+                 "rope_high_freq_factor") + optional:
+      value = getattr(self, name)
+      if value is None and name in optional:
+        continue
+      need(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+           and math.isfinite(value), f"{name}={value!r}, expected a positive number"
+           + (" or None" if name in optional else ""))
     need(self.num_heads % self.num_kv_heads == 0,
          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
     need(self.activation in ACTIVATIONS,

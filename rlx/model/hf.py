@@ -89,6 +89,9 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "tokenizer.model", "generation_config.json", "chat_template.jinja",
                "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json")
 
+# Every dtype of the safetensors format, with its item size; rlx loads the float ones.
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
               "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
@@ -99,8 +102,10 @@ _MAX_HEADER_BYTES = 100 * 2**20
 # ============================================================================= config mapping
 
 
-def _family_of(hf: Mapping[str, Any]) -> tuple[str, str]:
+def _family_of(hf: Mapping[str, Any], where: str = "config.json") -> tuple[str, str]:
   archs = hf.get("architectures") or []
+  if not isinstance(archs, list):
+    raise ValueError(f"{where}: architectures={archs!r}, expected a list of class names.")
   for arch in archs:
     if arch in ARCHITECTURES:
       return arch, ARCHITECTURES[arch]
@@ -109,34 +114,54 @@ def _family_of(hf: Mapping[str, Any]) -> tuple[str, str]:
     family = _MODEL_TYPES[model_type]
     return _EXPORT_ARCHITECTURE[family][0], family
   got = archs or [f"model_type={model_type!r}"]
-  raise ValueError(f"Unsupported architecture {got}; supported architectures are "
+  raise ValueError(f"{where}: Unsupported architecture {got}; supported architectures are "
                    f"{sorted(ARCHITECTURES)}.")
+
+
+def _positive(value: Any, key: str, where: str, kind: type = int) -> Any:
+  """value if it is a positive int (kind=int) or number (kind=float), else one-line ValueError."""
+  ok = (not isinstance(value, bool) and isinstance(value, (int,) if kind is int else (int, float))
+        and value > 0 and (kind is int or math.isfinite(value)))
+  if not ok:
+    what = "a positive integer" if kind is int else "a positive number"
+    raise ValueError(f"{where}: {key}={value!r}, expected {what}.")
+  return kind(value)
 
 
 def _rope(params: Mapping[str, Any] | None, theta_default: float, where: str) -> dict[str, Any]:
   """A Hugging Face rope dict (new `rope_parameters` or old `rope_scaling`) -> ModelConfig fields."""
+  if params is not None and not isinstance(params, Mapping):
+    raise ValueError(f"{where}: rope parameters {params!r}, expected an object.")
   params = dict(params or {})
   rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-  out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", theta_default))}
-  if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+
+  def get(key, kind=float):
+    if key not in params:
+      raise ValueError(f"{where}: rope type {rope_type!r} needs {key!r}.")
+    return _positive(params[key], key, where, kind)
+
+  out: dict[str, Any] = {"rope_theta": _positive(params.get("rope_theta", theta_default),
+                                                 "rope_theta", where, float)}
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
     raise ValueError(f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not "
                      "supported (rlx rotates the whole head).")
   if rope_type == "default":
     out["rope_scaling"] = "none"
   elif rope_type == "linear":
-    out.update(rope_scaling="linear", rope_scaling_factor=float(params["factor"]))
+    out.update(rope_scaling="linear", rope_scaling_factor=get("factor"))
   elif rope_type == "llama3":
-    out.update(rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
-               rope_low_freq_factor=float(params["low_freq_factor"]),
-               rope_high_freq_factor=float(params["high_freq_factor"]),
-               rope_original_max_position=int(params["original_max_position_embeddings"]))
+    out.update(rope_scaling="llama3", rope_scaling_factor=get("factor"),
+               rope_low_freq_factor=get("low_freq_factor"),
+               rope_high_freq_factor=get("high_freq_factor"),
+               rope_original_max_position=get("original_max_position_embeddings", int))
   else:
     raise ValueError(f"{where}: rope type {rope_type!r} is not supported; supported rope types "
                      "are 'default', 'linear' and 'llama3'.")
   return out
 
 
-def _layer_types(family: str, c: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+def _layer_types(family: str, c: Mapping[str, Any], num_layers: int,
+                 where: str) -> tuple[str, ...]:
   """Per-layer 'sliding' / 'global', following each family's Hugging Face rule."""
   if family in ("llama", "gemma"):
     return ()
@@ -150,111 +175,160 @@ def _layer_types(family: str, c: Mapping[str, Any], num_layers: int) -> tuple[st
       hf_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
                   for i in range(num_layers)]
     elif family == "gemma3":
-      pattern = int(c.get("sliding_window_pattern", 6))
+      pattern = _positive(c.get("sliding_window_pattern", 6), "sliding_window_pattern", where)
       hf_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                   for i in range(num_layers)]
     else:  # qwen: layers from max_window_layers on slide
-      first = int(c.get("max_window_layers", num_layers))
+      first = c.get("max_window_layers", num_layers)
+      if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"{where}: max_window_layers={first!r}, expected a non-negative "
+                         "integer.")
       hf_types = ["sliding_attention" if i >= first else "full_attention"
                   for i in range(num_layers)]
   names = {"sliding_attention": "sliding", "full_attention": "global"}
-  bad = sorted(set(hf_types) - set(names))
-  if bad or len(hf_types) != num_layers:
-    raise ValueError(f"config.json layer_types={list(hf_types)}: expected {num_layers} entries "
-                     "of 'sliding_attention' / 'full_attention'.")
+  if (not isinstance(hf_types, list) or len(hf_types) != num_layers
+      or any(t not in names for t in hf_types)):
+    raise ValueError(f"{where}: layer_types={hf_types!r}, expected a list of {num_layers} "
+                     "entries of 'sliding_attention' / 'full_attention'.")
   types = tuple(names[t] for t in hf_types)
   return types if "sliding" in types else ()
 
 
+class _ConfigFile(dict):
+  """config.json contents that remember their path, so that errors can name the file."""
+
+  def __init__(self, path: str, data: Mapping[str, Any]):
+    super().__init__(data)
+    self.path = path
+
+
 def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32",
-                   param_dtype: str | None = None) -> ModelConfig:
-  """Maps a Hugging Face config.json dict (transformers 4.5x or 5.x) to a ModelConfig."""
-  arch, family = _family_of(hf_config)
+                   param_dtype: str | None = None, where: str | None = None) -> ModelConfig:
+  """Maps a Hugging Face config.json dict (transformers 4.5x or 5.x) to a ModelConfig.
+
+  where: the file named in errors (default: the path `read_config` read it from).
+  """
+  where = where or getattr(hf_config, "path", None) or "config.json"
+  if not isinstance(hf_config, Mapping):
+    raise ValueError(f"{where} holds a JSON {_json_type(hf_config)}, expected an object.")
+  arch, family = _family_of(hf_config, where)
   c = dict(hf_config)
   if arch == "Gemma3ForConditionalGeneration" or (
       family == "gemma3" and "text_config" in c and "hidden_size" not in c):
-    text = dict(c.get("text_config") or {})
+    text = c.get("text_config") or {}
+    if not isinstance(text, Mapping):
+      raise ValueError(f"{where}: text_config holds a JSON {_json_type(text)}, expected an "
+                       "object.")
+    text = dict(text)
     text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", True))
     c = text
   c = {**_DEFAULTS[family], **{k: v for k, v in c.items() if v is not None or k in (
       "sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}}
+  here = f"{where} ({arch})"
 
   def need(key):
     if key not in c:
-      raise ValueError(f"config.json ({arch}) has no {key!r}.")
+      raise ValueError(f"{here} has no {key!r}.")
     return c[key]
 
+  def size(key):
+    return _positive(need(key), key, here)
+
+  def number(key):  # a positive float, or None where the key is unset / null / 0
+    return _positive(c[key], key, here, float) if c.get(key) else None
+
   if c.get("use_bidirectional_attention"):
-    raise ValueError(f"config.json ({arch}): use_bidirectional_attention=True is not supported "
+    raise ValueError(f"{here}: use_bidirectional_attention=True is not supported "
                      "(rlx models are causal).")
   if c.get("mlp_bias") or (family in ("llama", "qwen3", "gemma", "gemma2", "gemma3")
                            and c.get("attention_bias")):
-    raise ValueError(f"config.json ({arch}): attention_bias / mlp_bias are not supported "
+    raise ValueError(f"{here}: attention_bias / mlp_bias are not supported "
                      "(rlx has q/k/v biases only, as in Qwen2).")
   act_key = "hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act"
   act = c.get(act_key) or c.get("hidden_act")
   if family == "gemma" and act == "gelu":  # old Gemma configs; HF means the tanh approximation
     act = "gelu_pytorch_tanh"
-  if act not in _ACTIVATIONS:
-    raise ValueError(f"config.json ({arch}): {act_key}={act!r} is not supported; supported "
+  if not isinstance(act, str) or act not in _ACTIVATIONS:
+    raise ValueError(f"{here}: {act_key}={act!r} is not supported; supported "
                      f"activations are {sorted(_ACTIVATIONS)}.")
 
-  num_layers = int(need("num_hidden_layers"))
-  num_heads = int(need("num_attention_heads"))
-  d_model = int(need("hidden_size"))
-  head_dim = c.get("head_dim") or d_model // num_heads
-  layer_types = _layer_types(family, c, num_layers)
+  vocab_size = size("vocab_size")
+  num_layers = size("num_hidden_layers")
+  num_heads = size("num_attention_heads")
+  d_model = size("hidden_size")
+  mlp_dim = size("intermediate_size")
+  max_position = size("max_position_embeddings")
+  num_kv_heads = c.get("num_key_value_heads")
+  num_kv_heads = num_heads if num_kv_heads is None else size("num_key_value_heads")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"{here}: num_attention_heads={num_heads} is not a multiple of "
+                     f"num_key_value_heads={num_kv_heads}.")
+  if c.get("head_dim") in (None, 0):  # as transformers: head_dim or hidden_size // heads
+    if d_model % num_heads:
+      raise ValueError(f"{here}: hidden_size={d_model} is not a multiple of "
+                       f"num_attention_heads={num_heads}, and there is no head_dim.")
+    head_dim = d_model // num_heads
+  else:
+    head_dim = size("head_dim")
+  norm_eps = _positive(c["rms_norm_eps"], "rms_norm_eps", here, float)
+  layer_types = _layer_types(family, c, num_layers, here)
 
   # Rope: transformers 5 writes `rope_parameters` (nested per layer type for Gemma 3);
   # older files have top-level rope_theta / rope_scaling / rope_local_base_freq.
   rp = c.get("rope_parameters")
+  if rp is not None and not isinstance(rp, Mapping):
+    raise ValueError(f"{here}: rope_parameters holds a JSON {_json_type(rp)}, expected an "
+                     "object.")
   rope_local_theta = None
   if family == "gemma3":
     rp = rp or {}
     full = rp.get("full_attention") if "full_attention" in rp else (
         rp or c.get("rope_scaling"))
-    rope = _rope(full, c["rope_theta"], f"config.json ({arch}) full_attention rope")
-    sliding = rp.get("sliding_attention") or {}
-    local = _rope(sliding, c["rope_local_base_freq"],
-                  f"config.json ({arch}) sliding_attention rope")
+    rope = _rope(full, c["rope_theta"], f"{here} full_attention rope")
+    local = _rope(rp.get("sliding_attention") or {}, c["rope_local_base_freq"],
+                  f"{here} sliding_attention rope")
     if local["rope_scaling"] != "none":
-      raise ValueError(f"config.json ({arch}): rope scaling on sliding layers is not supported.")
+      raise ValueError(f"{here}: rope scaling on sliding layers is not supported.")
     rope_local_theta = local["rope_theta"]
   else:
-    rope = _rope(rp if rp else c.get("rope_scaling"), c["rope_theta"], f"config.json ({arch})")
+    rope = _rope(rp if rp else c.get("rope_scaling"), c["rope_theta"], here)
 
   is_gemma = family.startswith("gemma")
-  qpas = c.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3") else None
-  return ModelConfig(
-      vocab_size=int(need("vocab_size")),
-      num_layers=num_layers,
-      d_model=d_model,
-      num_heads=num_heads,
-      num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
-      head_dim=int(head_dim),
-      mlp_dim=int(need("intermediate_size")),
-      activation=_ACTIVATIONS[act],
-      norm_eps=float(c["rms_norm_eps"]),
-      norm_plus_one=is_gemma,
-      qkv_bias=family == "qwen2",
-      qk_norm=family in ("qwen3", "gemma3"),
-      post_attn_norm=family in ("gemma2", "gemma3"),
-      post_mlp_norm=family in ("gemma2", "gemma3"),
-      tie_embeddings=bool(c["tie_word_embeddings"]),
-      embed_scale=is_gemma,
-      query_pre_attn_scalar=float(qpas) if qpas else None,
-      attn_logit_softcap=(float(c["attn_logit_softcapping"])
-                          if c.get("attn_logit_softcapping") else None),
-      final_logit_softcap=(float(c["final_logit_softcapping"])
-                           if c.get("final_logit_softcapping") else None),
-      sliding_window=int(c["sliding_window"]) if layer_types else None,
-      layer_types=layer_types,
-      rope_local_theta=rope_local_theta if layer_types else None,
-      max_position=int(c["max_position_embeddings"]),
-      dtype=dtype,
-      param_dtype=param_dtype or dtype,
-      **rope,
-  )
+  qpas = number("query_pre_attn_scalar") if family in ("gemma2", "gemma3") else None
+  attn_softcap = number("attn_logit_softcapping")
+  final_softcap = number("final_logit_softcapping")
+  sliding_window = size("sliding_window") if layer_types else None
+  try:
+    return ModelConfig(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        d_model=d_model,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        mlp_dim=mlp_dim,
+        activation=_ACTIVATIONS[act],
+        norm_eps=norm_eps,
+        norm_plus_one=is_gemma,
+        qkv_bias=family == "qwen2",
+        qk_norm=family in ("qwen3", "gemma3"),
+        post_attn_norm=family in ("gemma2", "gemma3"),
+        post_mlp_norm=family in ("gemma2", "gemma3"),
+        tie_embeddings=bool(c["tie_word_embeddings"]),
+        embed_scale=is_gemma,
+        query_pre_attn_scalar=qpas,
+        attn_logit_softcap=attn_softcap,
+        final_logit_softcap=final_softcap,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        rope_local_theta=rope_local_theta if layer_types else None,
+        max_position=max_position,
+        dtype=dtype,
+        param_dtype=param_dtype or dtype,
+        **rope,
+    )
+  except ValueError as e:  # what the checks above do not catch; say which file it came from
+    raise ValueError(f"{here}: {e}") from e
 
 
 def infer_family(cfg: ModelConfig) -> str:
@@ -443,13 +517,36 @@ def _normalize_name(name: str) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class _TensorInfo:
   file: str
-  dtype: np.dtype
+  dtype: str  # safetensors name: "BF16", "F32", ...
   shape: tuple[int, ...]
   offset: int  # absolute byte offset in the file
   nbytes: int
 
+  @property
+  def np_dtype(self) -> np.dtype:
+    return _ST_DTYPES[self.dtype]
+
+
+def _no_duplicate_keys(pairs):
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise ValueError(f"key {key!r} appears twice")
+    out[key] = value
+  return out
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
 
 def _read_header(path: str) -> dict[str, _TensorInfo]:
+  """Parses and checks a safetensors header; reads no tensor data.
+
+  Checks what the format requires: a JSON object of {dtype, shape, data_offsets} entries
+  whose byte ranges, sorted by start, tile the data section exactly (no gap, no overlap,
+  nothing past the end), each holding prod(shape) * itemsize bytes.
+  """
   size = os.path.getsize(path)
   with open(path, "rb") as f:
     raw = f.read(8)
@@ -459,40 +556,81 @@ def _read_header(path: str) -> dict[str, _TensorInfo]:
     if n > min(size - 8, _MAX_HEADER_BYTES):
       raise ValueError(f"Checkpoint file {path} is truncated or not a safetensors file: header "
                        f"length {n} does not fit in the file's {size} bytes.")
-    try:
-      header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise ValueError(f"Checkpoint file {path} has a corrupt safetensors header ({e}).") from e
-  header.pop("__metadata__", None)
-  out = {}
-  end_max = 0
+    raw = f.read(n)
+  bad = f"Checkpoint file {path} has a corrupt safetensors header"
+  try:
+    header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{bad}: it is not UTF-8 (byte {e.start}: {e.reason}).") from e
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{bad}: not valid JSON (line {e.lineno} column {e.colno}: "
+                     f"{e.msg}).") from e
+  except ValueError as e:  # a duplicate key
+    raise ValueError(f"{bad}: {e}.") from e
+  if not isinstance(header, dict):
+    raise ValueError(f"{bad}: it is a JSON {_json_type(header)}, expected an object.")
+  metadata = header.pop("__metadata__", None)
+  if metadata is not None and not isinstance(metadata, dict):
+    raise ValueError(f"{bad}: __metadata__ is a JSON {_json_type(metadata)}, expected an "
+                     "object.")
+  data_size = size - 8 - n
+  spans = []  # (begin, end, name)
   for name, meta in header.items():
-    dtype = meta.get("dtype")
-    if dtype not in _ST_DTYPES:
-      raise ValueError(f"Tensor {name!r} in {path} has dtype {dtype}; supported dtypes are "
-                       f"{sorted(_ST_DTYPES)}.")
-    shape = tuple(int(s) for s in meta["shape"])
-    begin, end = (int(x) for x in meta["data_offsets"])
-    nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+    where = f"Tensor {name!r} in {path}"
+    if not isinstance(meta, dict):
+      raise ValueError(f"{where} is described by a JSON {_json_type(meta)}, expected an object "
+                       "with dtype, shape and data_offsets.")
+    for key in ("dtype", "shape", "data_offsets"):
+      if key not in meta:
+        raise ValueError(f"{where} has no {key!r} in the safetensors header.")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
+      raise ValueError(f"{where} has dtype {dtype!r}; safetensors dtypes are "
+                       f"{sorted(_ST_ITEMSIZE)}.")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+      raise ValueError(f"{where} has shape {shape!r}, expected a list of non-negative "
+                       "integers.")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets))
+        or offsets[0] < 0 or offsets[1] < offsets[0]):
+      raise ValueError(f"{where} has data_offsets {offsets!r}, expected [begin, end] with "
+                       "0 <= begin <= end.")
+    begin, end = offsets
+    nbytes = math.prod(shape) * _ST_ITEMSIZE[dtype]
     if end - begin != nbytes:
-      raise ValueError(f"Tensor {name!r} in {path}: data_offsets {begin}..{end} hold "
-                       f"{end - begin} bytes, but {dtype}{list(shape)} needs {nbytes}.")
-    out[name] = _TensorInfo(path, _ST_DTYPES[dtype], shape, 8 + n + begin, nbytes)
-    end_max = max(end_max, end)
-  if 8 + n + end_max > size:
+      raise ValueError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but "
+                       f"{dtype}{shape} needs {nbytes}.")
+    spans.append((begin, end, name))
+  spans.sort()
+  last = max(spans, key=lambda s: s[1], default=(0, 0, None))
+  if last[1] > data_size:
     raise ValueError(f"Checkpoint file {path} is truncated: its header describes "
-                     f"{8 + n + end_max} bytes of data, but the file has {size}.")
-  return out
+                     f"{8 + n + last[1]} bytes of data, but the file has {size} (tensor "
+                     f"{last[2]!r} has data_offsets [{last[0]}, {last[1]}], past the "
+                     f"{data_size}-byte data section).")
+  expected, prev = 0, None
+  for begin, end, name in spans:
+    if begin != expected:
+      what = (f"overlap tensor {prev[2]!r} at [{prev[0]}, {prev[1]}]" if begin < expected else
+              f"leave a gap of {begin - expected} bytes after "
+              + (f"tensor {prev[2]!r}" if prev else "the header"))
+      raise ValueError(f"Tensor {name!r} in {path}: data_offsets [{begin}, {end}] {what}; "
+                       "expected the tensors to tile the data section with no gap or overlap.")
+    expected, prev = end, (begin, end, name)
+  if expected != data_size:
+    raise ValueError(f"Checkpoint file {path} has {data_size - expected} bytes after its last "
+                     "tensor; expected the tensors to fill the data section exactly.")
+  return {name: _TensorInfo(path, header[name]["dtype"], tuple(header[name]["shape"]),
+                            8 + n + begin, end - begin) for begin, end, name in spans}
 
 
 def _read_rows(f, info: _TensorInfo, start: int, stop: int) -> np.ndarray:
   """Rows [start, stop) of the tensor's leading axis, as a fresh array in the file's dtype."""
   row_elems = math.prod(info.shape[1:])
-  buf = np.empty((stop - start) * row_elems * info.dtype.itemsize, np.uint8)
-  f.seek(info.offset + start * row_elems * info.dtype.itemsize)
+  buf = np.empty((stop - start) * row_elems * info.np_dtype.itemsize, np.uint8)
+  f.seek(info.offset + start * row_elems * info.np_dtype.itemsize)
   if f.readinto(buf) != buf.size:
     raise ValueError(f"Checkpoint file {info.file} is truncated.")
-  return buf.view(info.dtype).reshape((stop - start,) + info.shape[1:])
+  return buf.view(info.np_dtype).reshape((stop - start,) + info.shape[1:])
 
 
 def _find_checkpoint(path: str) -> dict[str, _TensorInfo]:
@@ -505,11 +643,16 @@ def _find_checkpoint(path: str) -> dict[str, _TensorInfo]:
   index = os.path.join(path, "model.safetensors.index.json")
   single = os.path.join(path, "model.safetensors")
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map", {})
+    weight_map = _read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has weight_map={weight_map!r}, expected an object of tensor "
+                       "name -> file name.")
     tensors: dict[str, _TensorInfo] = {}
     headers: dict[str, dict[str, _TensorInfo]] = {}
     for name, file in weight_map.items():
+      if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+        raise ValueError(f"{index} maps tensor {name!r} to {file!r}, expected a file name in "
+                         f"{path}.")
       if file not in headers:
         fpath = os.path.join(path, file)
         if not os.path.exists(fpath):
@@ -539,14 +682,34 @@ def _find_checkpoint(path: str) -> dict[str, _TensorInfo]:
                           "model.safetensors.index.json).")
 
 
+def _json_type(value: Any) -> str:
+  return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number",
+          float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+  """A JSON file that must hold an object; one-line ValueError naming the file otherwise."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}).") from e
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON (line {e.lineno} column {e.colno}: "
+                     f"{e.msg}).") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path} holds a JSON {_json_type(data)}, expected an object.")
+  return data
+
+
 def read_config(path: str) -> dict[str, Any]:
+  """The config.json of a model directory (a dict that remembers its path, for errors)."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.isdir(path):
     raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist.")
   if not os.path.exists(cfg_path):
     raise FileNotFoundError(f"{path} has no config.json.")
-  with open(cfg_path) as f:
-    return json.load(f)
+  return _ConfigFile(cfg_path, _read_json_object(cfg_path))
 
 
 # ============================================================================= loading
@@ -624,6 +787,9 @@ def load_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None
     if got != want:
       raise ValueError(f"Tensor {name!r} in {by_name[name].file} has shape {list(got)}, but "
                        f"config.json implies {list(want)}.")
+    if by_name[name].dtype not in _ST_DTYPES:
+      raise ValueError(f"Tensor {name!r} in {by_name[name].file} has dtype "
+                       f"{by_name[name].dtype}; rlx loads weights of dtypes {sorted(_ST_DTYPES)}.")
 
   if mesh is not None:
     _, abstract = transformer.abstract_params(cfg)

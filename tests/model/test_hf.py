@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rlx.model import hf, transformer
+from rlx.model.config import ModelConfig
 from rlx.sampler import dense
 from rlx.sampler.sampling import SamplingParams
 
@@ -356,6 +357,198 @@ def test_bad_rope_and_dtype(tmp_path):
                        "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
   with pytest.raises(ValueError, match="dtype='float8'"):
     hf.load_hf(str(tmp_path), dtype="float8")
+
+
+def _one_line_error(exc_info, *must_contain):
+  msg = str(exc_info.value)
+  assert "\n" not in msg, msg
+  for text in must_contain:
+    assert text in msg, msg
+  return msg
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (lambda c: "{\n  \"vocab_size\": 128,\n  \"hidden_size\": }",
+     r"config.json is not valid JSON \(line 3 column 18: Expecting value\)"),
+    (lambda c: json.dumps([c]), r"config.json holds a JSON list, expected an object"),
+    (lambda c: json.dumps({**c, "num_attention_heads": 0}),
+     r"config.json \(LlamaForCausalLM\): num_attention_heads=0, expected a positive integer"),
+    (lambda c: json.dumps({**c, "intermediate_size": -96}),
+     r"intermediate_size=-96, expected a positive integer"),
+    (lambda c: json.dumps({**c, "num_key_value_heads": 3}),
+     r"num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    (lambda c: json.dumps({k: v for k, v in c.items() if k != "hidden_size"}),
+     r"config.json \(LlamaForCausalLM\) has no 'hidden_size'"),
+    (lambda c: json.dumps({**c, "rms_norm_eps": "tiny"}),
+     r"rms_norm_eps='tiny', expected a positive number"),
+], ids=["invalid_json", "list", "zero_heads", "negative_mlp", "heads_not_dividing",
+        "missing_key", "eps_string"])
+def test_bad_config_json_names_file_and_key(tmp_path, good_dir, change, pattern):
+  d = _copy(good_dir, tmp_path / "cfg")
+  path = os.path.join(d, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  with open(path, "w") as f:
+    f.write(change(config))
+  with pytest.raises(ValueError, match=pattern) as e:
+    hf.load_hf(d)
+  _one_line_error(e, path)
+
+
+def test_model_config_rejects_non_positive_sizes():
+  base = dict(vocab_size=8, num_layers=1, d_model=8, num_heads=2, num_kv_heads=1, head_dim=4,
+              mlp_dim=8)
+  for field, value, pattern in [("max_position", 0, "positive int"),
+                                ("num_layers", True, "positive int"),
+                                ("norm_eps", 0.0, "positive number"),
+                                ("rope_theta", -1.0, "positive number"),
+                                ("final_logit_softcap", 0.0, "positive number or None")]:
+    with pytest.raises(ValueError, match=rf"ModelConfig: {field}={value!r}, expected a {pattern}"):
+      ModelConfig(**{**base, field: value})
+
+
+# A valid two-tensor file: 'a' F32[2, 3] at [0, 24), 'b' F32[4] at [24, 40).
+_A = np.arange(6, dtype=np.float32).reshape(2, 3)
+_B = np.arange(10, 14, dtype=np.float32)
+_HEADER = {"__metadata__": {"format": "pt"},
+           "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+           "b": {"dtype": "F32", "shape": [4], "data_offsets": [24, 40]}}
+
+
+def _write_safetensors(path, header, data=_A.tobytes() + _B.tobytes()):
+  raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    f.write(data)
+  return str(path)
+
+
+def _tensor(header, name, **entry):
+  return {**header, name: {**header[name], **entry}}
+
+
+def _read(path, info):
+  with open(path, "rb") as f:
+    return hf._read_rows(f, info, 0, info.shape[0])  # pylint: disable=protected-access
+
+
+def test_safetensors_reader_valid_and_out_of_order(tmp_path):
+  """Our reader agrees with the safetensors library; entries listed out of offset order are
+  fine as long as, sorted by start, they tile the data section."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  path = _write_safetensors(tmp_path / "ok.safetensors", _HEADER)
+  infos = hf._read_header(path)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(_read(path, infos["a"]), _A)
+  np.testing.assert_array_equal(_read(path, infos["b"]), load_file(path)["b"])
+  swapped = {"b": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+             "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [16, 40]}}
+  path = _write_safetensors(tmp_path / "swapped.safetensors", swapped,
+                            _B.tobytes() + _A.tobytes())
+  infos = hf._read_header(path)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(_read(path, infos["a"]), _A)
+  np.testing.assert_array_equal(_read(path, infos["b"]), _B)
+  np.testing.assert_array_equal(load_file(path)["a"], _A)  # the library accepts it too
+
+
+_DATA = _A.tobytes() + _B.tobytes()
+BAD_SAFETENSORS = {
+    "negative_offset": (_tensor(_HEADER, "a", data_offsets=[-8, 16]), _DATA,
+                        r"Tensor 'a' in .* has data_offsets \[-8, 16\], expected \[begin, end\] "
+                        r"with 0 <= begin <= end"),
+    "end_before_begin": (_tensor(_HEADER, "b", data_offsets=[40, 24]), _DATA,
+                         r"Tensor 'b' .* data_offsets \[40, 24\], expected \[begin, end\]"),
+    "overlap": (_tensor(_HEADER, "b", data_offsets=[16, 32]), _DATA,
+                r"Tensor 'b' in .*: data_offsets \[16, 32\] overlap tensor 'a' at \[0, 24\]; "
+                r"expected the tensors to tile"),
+    "gap": (_tensor(_HEADER, "b", data_offsets=[32, 48]), _DATA + bytes(8),
+            r"Tensor 'b' in .*: data_offsets \[32, 48\] leave a gap of 8 bytes after tensor 'a'"),
+    "gap_before_first": (
+        {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}}, bytes(32),
+        r"Tensor 'a' .* leave a gap of 8 bytes after the header"),
+    "out_of_bounds": (_tensor(_HEADER, "b", data_offsets=[1000, 1016]), _DATA,
+                      r"is truncated: .*tensor 'b' has data_offsets \[1000, 1016\], past the "
+                      r"40-byte data section"),
+    "trailing_bytes": (_HEADER, _DATA + bytes(16),
+                       r"has 16 bytes after its last tensor; expected the tensors to fill"),
+    "wrong_byte_count": (_tensor(_HEADER, "a", shape=[2, 2]), _DATA,
+                         r"Tensor 'a' in .*: data_offsets \[0, 24\] hold 24 bytes, but "
+                         r"F32\[2, 2\] needs 16"),
+    "negative_dim": (_tensor(_HEADER, "a", shape=[-2, -3]), _DATA,
+                     r"Tensor 'a' .* has shape \[-2, -3\], expected a list of non-negative "
+                     r"integers"),
+    "unknown_dtype": (_tensor(_HEADER, "a", dtype="F42"), _DATA,
+                      r"Tensor 'a' in .* has dtype 'F42'; safetensors dtypes are \[.*'BF16'"),
+    "no_shape": ({**_HEADER, "a": {"dtype": "F32", "data_offsets": [0, 24]}}, _DATA,
+                 r"Tensor 'a' in .* has no 'shape' in the safetensors header"),
+    "entry_not_object": ({**_HEADER, "a": [0, 24]}, _DATA,
+                         r"Tensor 'a' in .* is described by a JSON list, expected an object"),
+    "header_is_list": ([_HEADER["a"]], _DATA,
+                       r"has a corrupt safetensors header: it is a JSON list, expected an "
+                       r"object"),
+    "not_utf8": (b'{"a\xff": {}}', _DATA,
+                 r"has a corrupt safetensors header: it is not UTF-8 \(byte 3"),
+    "not_json": (b'{"a": {"dtype": }', _DATA,
+                 r"has a corrupt safetensors header: not valid JSON \(line 1 column 17"),
+    "duplicate_key": (b'{"a": {}, "a": {}}', _DATA,
+                      r"corrupt safetensors header: key 'a' appears twice"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SAFETENSORS))
+def test_bad_safetensors_header(tmp_path, name):
+  header, data, pattern = BAD_SAFETENSORS[name]
+  path = _write_safetensors(tmp_path / "bad.safetensors", header, data)
+  with pytest.raises(ValueError, match=pattern) as e:
+    hf._read_header(path)  # pylint: disable=protected-access
+  _one_line_error(e, path)
+
+
+def test_header_length_past_end_of_file(tmp_path):
+  path = str(tmp_path / "long.safetensors")
+  with open(path, "wb") as f:
+    f.write((10**6).to_bytes(8, "little") + b"{}")
+  with pytest.raises(ValueError, match=r"header length 1000000 does not fit in the file's 10 "
+                     "bytes") as e:
+    hf._read_header(path)  # pylint: disable=protected-access
+  _one_line_error(e, path)
+
+
+def test_bad_offsets_caught_before_any_tensor_is_read(tmp_path, good_dir, monkeypatch):
+  """A negative offset once read the JSON header's bytes as weights; now load_hf stops at the
+  header, before reading anything."""
+  d = _copy(good_dir, tmp_path / "neg")
+  path = os.path.join(d, "model.safetensors")
+  with open(path, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+    data = f.read()
+  name = "model.layers.1.mlp.up_proj.weight"
+  begin, end = header[name]["data_offsets"]
+  header[name]["data_offsets"] = [-n, end - begin - n]  # would start at the header's first byte
+  _write_safetensors(path, header, data)
+  read = []
+  monkeypatch.setattr(hf, "_read_rows", lambda *a: read.append(a))
+  with pytest.raises(ValueError, match=rf"Tensor '{name}' in .*model.safetensors has "
+                     r"data_offsets \[-\d+, \d+\]") as e:
+    hf.load_hf(d)
+  _one_line_error(e, path)
+  assert not read
+
+
+def test_sharded_index_errors(tmp_path, good_dir):
+  d = _copy(good_dir, tmp_path / "index")
+  index = os.path.join(d, "model.safetensors.index.json")
+  with open(index, "w") as f:
+    f.write("{\"weight_map\": [}")
+  with pytest.raises(ValueError, match=r"index.json is not valid JSON \(line 1 column 17: "
+                     r"Expecting value\)"):
+    hf.load_hf(d)
+  with open(index, "w") as f:
+    json.dump({"weight_map": {"model.norm.weight": "../../etc/passwd"}}, f)
+  with pytest.raises(ValueError, match=r"maps tensor 'model.norm.weight' to '../../etc/passwd', "
+                     "expected a file name in"):
+    hf.load_hf(d)
 
 
 # ----------------------------------------------------------------------------- sharding, memory
