@@ -86,7 +86,7 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
 def run_one(config, workdir: str) -> dict:
   """Trains (or reads a finished run) and returns its accuracy-vs-tokens curve."""
   from rlx import trainer  # pylint: disable=g-import-not-at-top
-  from rlx.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  from rlx.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   done_path = os.path.join(workdir, "efficiency_run.json")
   if os.path.exists(done_path):
     with open(done_path) as f:
@@ -95,7 +95,7 @@ def run_one(config, workdir: str) -> dict:
   trainer.run(config, workdir, log=lambda s: None, show_progress=False)
   wall = time.time() - t0
   tokens, curve = 0.0, []
-  for line in read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+  for line in read_metrics(workdir):
     tokens += line.get("ledger/tokens_generated", 0.0)
     if "eval/band_accuracy" in line:
       curve.append((line["step"], tokens, line["eval/band_accuracy"]))
@@ -164,9 +164,9 @@ def main(_):
   data_dir = os.path.join(root, "data")
   if not os.path.exists(os.path.join(base_dir, "model.safetensors")):
     print(f"[efficiency] warm start -> {base_dir}", flush=True)
-    from rlx import experiment  # pylint: disable=g-import-not-at-top
-    experiment.setup(make_config(1, 1, 0, "", data_dir, {}), os.path.dirname(base_dir),
-                     log=lambda s: None)
+    from rlx import configs, experiment  # pylint: disable=g-import-not-at-top
+    experiment.setup(configs.resolve(make_config(1, 1, 0, "", data_dir, {})),
+                     os.path.dirname(base_dir), log=lambda s: None)
 
   print(f"[efficiency] pilot B0 (seed 100), {steps} steps", flush=True)
   pilot = run_one(make_config(steps, eval_every, 100, base_dir, data_dir, {}),

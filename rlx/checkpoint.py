@@ -32,10 +32,14 @@ class Checkpointer:
   """Saves and restores TrainState-like pytrees under WORKDIR/checkpoints."""
 
   def __init__(self, workdir: str, *, keep: int = 2, async_save: bool = True):
+    if not isinstance(keep, int) or keep < 0:
+      raise CheckpointError(f"keep={keep!r} checkpoints; expected an integer >= 1, or 0 to keep "
+                            f"every checkpoint.")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        # keep=0: every checkpoint is kept (orbax's None); never "keep none".
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep or None, create=True,
                                              enable_async_checkpointing=async_save),
         item_names=("state", "meta"))
 
@@ -87,6 +91,22 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def read_json(path: str) -> Any:
+  """A JSON file rlx wrote (or a user edited); one clear error naming the file if it is not
+  readable JSON."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except UnicodeDecodeError as e:
+    raise CheckpointError(f"{path} is not UTF-8 text (byte {e.start}); expected a JSON file "
+                          f"written by rlx. Delete it to have it rewritten.") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON (line {e.lineno} column {e.colno}: "
+                          f"{e.msg}); delete it to have it rewritten.") from None
+  except IsADirectoryError:
+    raise CheckpointError(f"{path} is a directory; expected a JSON file.") from None
 
 
 def save_json(path: str, obj: Any) -> None:

@@ -7,6 +7,7 @@ expected.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ml_collections as mlc
@@ -32,21 +33,228 @@ def _need(ok: bool, msg: str) -> None:
     raise ConfigError(msg)
 
 
-def _positive_int(c, key: str) -> int:
-  value = c
+def _get(config, key: str):
+  value = config
   for part in key.split("."):
     value = value[part]
-  _need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        f"config.{key}={value!r}; expected a positive integer.")
   return value
 
 
+def _number(config, key: str, lo: float | None = None, hi: float | None = None, *,
+            lo_open: bool = False, hi_open: bool = False, what: str = "") -> float:
+  value = _get(config, key)
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if ok and lo is not None:
+    ok = value > lo if lo_open else value >= lo
+  if ok and hi is not None:
+    ok = value < hi if hi_open else value <= hi
+  if not ok:
+    lo_s = "" if lo is None else f"{lo:g} {'<' if lo_open else '<='} "
+    hi_s = "" if hi is None else f" {'<' if hi_open else '<='} {hi:g}"
+    leaf = key.rsplit(".", 1)[-1]
+    raise ConfigError(f"config.{key}={value!r}; expected {what or lo_s + leaf + hi_s}.")
+  return float(value)
+
+
+def _int(config, key: str, lo: int = 1, hi: int | None = None) -> int:
+  value = _get(config, key)
+  ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (
+      hi is None or value <= hi)
+  if not ok:
+    rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    raise ConfigError(f"config.{key}={value!r}; expected an integer {rng}.")
+  return value
+
+
+# Far beyond any real run; a value above is a typo (1e9) that would otherwise fail deep inside
+# XLA while sizing buffers.
+MAX_TOKENS = 1 << 20
+
+
+# ----------------------------------------------------------------------------- typed specs
+# The ConfigDict is read here, once; everything below takes these frozen specs.
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  name: str
+  ops: tuple[str, ...]
+  levels: tuple[int, ...]
+  num_train_per_level: int
+  num_eval_per_level: int
+  reverse_answer: bool
+  teacher_error_levels: tuple[int, ...]
+  teacher_error_rate: float
+  seed: int
+  manual_dir: str
+  num_eval: int
+  rl_levels: tuple[int, ...]
+  band: tuple[int, ...]
+  eval_levels: tuple[int, ...]
+  data_dir: str
+  instruction: str
+  reward: str
+  reward_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+  vocab_size: int
+  path: str
+  chat_template: bool
+  system_prompt: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  path: str  # a Hugging Face checkpoint directory ("" = the tiny model of `arch`)
+  dtype: str
+  param_dtype: str
+  arch_items: tuple[tuple[str, Any], ...]  # config.model without `path`, in key order
+
+  @property
+  def arch(self) -> dict[str, Any]:
+    """The architecture keys as written in the config (recorded with a warm-start base)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.arch_items}
+
+  def tiny(self, vocab_size: int) -> ModelConfig:
+    """The architecture of config.model (HF checkpoints bring their own)."""
+    try:
+      return ModelConfig.from_dict({**dict(self.arch_items), "vocab_size": vocab_size})
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.model: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSpec:
+  steps: int
+  batch_size: int
+  lr: float
+  warmup_steps: int
+  max_len: int
+  level_weights: tuple[tuple[int, float], ...]
+
+  def as_record(self) -> dict[str, Any]:
+    """As stored with a warm-start base (the ConfigDict's JSON form)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["level_weights"] = {str(k): v for k, v in self.level_weights}
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+  impl: str
+  paged: Any  # rlx.sampler.paged.PagedConfig
+  max_prompt_len: int
+  max_new_tokens: int
+  temperature: float
+  top_k: int
+  top_p: float
+  eval_batch_size: int
+
+  def sampling(self, *, eos_id: int, pad_id: int, stop_ids: tuple[int, ...] = (),
+               greedy: bool = False) -> SamplingParams:
+    try:
+      return SamplingParams(max_new_tokens=self.max_new_tokens,
+                            temperature=0.0 if greedy else self.temperature,
+                            top_k=0 if greedy else self.top_k,
+                            top_p=1.0 if greedy else self.top_p,
+                            eos_id=eos_id, pad_id=pad_id, stop_ids=tuple(stop_ids))
+    except ValueError as e:
+      raise ConfigError(f"config.sampler: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSpec:
+  prompts_per_step: int
+  group_size: int
+  advantage: str
+  num_updates: int
+  num_minibatches: int
+  loss: LossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+  lr: float
+  schedule: str
+  warmup_steps: int
+  weight_decay: float
+  grad_clip: float
+  b1: float
+  b2: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardSpec:
+  max_consecutive_skips: int
+  reward_range: tuple[float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySpec:
+  device_bytes: int
+  activation_margin: float
+  check: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  data: int
+  fsdp: int
+  tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+  every: int
+  keep: int  # newest checkpoints kept (>= 1); 0 keeps every checkpoint
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RunSpec:
+  """One experiment config, validated and typed (`resolve`)."""
+
+  seed: int
+  total_steps: int
+  eval_every: int
+  fused_step: bool
+  checkpoint: CheckpointSpec
+  task: TaskSpec
+  tokenizer: TokenizerSpec
+  model: ModelSpec
+  warm_start_dir: str
+  sft: SFTSpec
+  rl: RLSpec
+  selection: SelectionConfig
+  replay: ReplayConfig | None
+  length: LengthConfig
+  sampler: SamplerSpec
+  optim: OptimSpec
+  guard: GuardSpec
+  memory: MemorySpec
+  mesh: MeshSpec
+  record: dict[str, Any]  # the ConfigDict as JSON (config.json, checkpoint metadata)
+
+
 def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
-  """Semantic checks that ml_collections' type checks do not cover."""
+  """Semantic checks that ml_collections' type checks do not cover (see `resolve`)."""
+  resolve(config, num_batch_devices)
+
+
+def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> RunSpec:
+  """Checks `config` and returns it as a RunSpec; every failure is one ConfigError naming the
+  key, its value and what was expected."""
+  if isinstance(config, RunSpec):
+    return config
   for key in ("total_steps", "eval_every", "checkpoint_every", "rl.prompts_per_step",
               "rl.group_size", "rl.num_updates", "rl.num_minibatches",
-              "sampler.max_prompt_len", "sampler.max_new_tokens", "sampler.eval_batch_size"):
-    _positive_int(config, key)
+              "sampler.max_prompt_len", "sampler.eval_batch_size", "sft.batch_size",
+              "sft.max_len"):
+    _int(config, key)
+  _int(config, "sampler.max_new_tokens", 1, MAX_TOKENS)
+  _int(config, "sampler.max_prompt_len", 1, MAX_TOKENS)
+  keep = _int(config, "keep_checkpoints", 0)
   rl = config.rl
   _need(rl.advantage in adv_lib.MODES,
         f"config.rl.advantage={rl.advantage!r}; expected one of {adv_lib.MODES}.")
@@ -67,8 +275,8 @@ def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
     _need(replay.capacity % num_batch_devices == 0,
           f"config.replay.capacity={replay.capacity} must be a multiple of the "
           f"{num_batch_devices} data-parallel devices (the ring is split over them).")
-  selection_config(config)
-  length_config(config)
+  selection = selection_config(config)
+  length = length_config(config)
   _need(batch % num_batch_devices == 0,
         f"config.rl.prompts_per_step * config.rl.group_size = {batch} rollouts cannot be split "
         f"over the {num_batch_devices} data-parallel devices (mesh data x fsdp); use a "
@@ -78,10 +286,9 @@ def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
   _need(config.sampler.eval_batch_size % num_batch_devices == 0,
         f"config.sampler.eval_batch_size={config.sampler.eval_batch_size} must be a multiple "
         f"of the {num_batch_devices} data-parallel devices.")
-  # These constructors validate their own fields with named errors.
-  loss_config(config)
+  loss = loss_config(config)
+  pc = paged_config(config)
   if config.sampler.impl == "paged":
-    pc = paged_config(config)
     from rlx.sampler.paged import min_num_pages  # pylint: disable=g-import-not-at-top
     minimum = min_num_pages(config.sampler.max_prompt_len, config.sampler.max_new_tokens,
                             pc.page_size, rl.group_size)
@@ -90,7 +297,114 @@ def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
           f"{rl.group_size} samples with a prompt of up to {config.sampler.max_prompt_len} "
           f"tokens and max_new_tokens={config.sampler.max_new_tokens} (page_size="
           f"{pc.page_size}) needs num_pages >= {minimum} per data shard (page 0 is reserved).")
-  sampling_params(config, eos_id=3, pad_id=0)
+  s = config.sampler
+  sampler = SamplerSpec(impl=s.impl, paged=pc, max_prompt_len=s.max_prompt_len,
+                        max_new_tokens=s.max_new_tokens, temperature=float(s.temperature),
+                        top_k=int(s.top_k), top_p=float(s.top_p),
+                        eval_batch_size=s.eval_batch_size)
+  sampler.sampling(eos_id=3, pad_id=0)  # validates temperature / top-k / top-p
+
+  o = config.optim
+  _number(config, "optim.lr", 0, lo_open=True)
+  _int(config, "optim.warmup_steps", 0)
+  _number(config, "optim.weight_decay", 0)
+  _number(config, "optim.grad_clip", 0, what="grad_clip >= 0 (0: no clipping)")
+  _number(config, "optim.b1", 0, 1, hi_open=True)
+  _number(config, "optim.b2", 0, 1, hi_open=True)
+  _need(o.schedule in ("constant", "cosine"),
+        f"config.optim.schedule={o.schedule!r}; expected 'constant' or 'cosine'.")
+  optim = OptimSpec(lr=float(o.lr), schedule=o.schedule, warmup_steps=o.warmup_steps,
+                    weight_decay=float(o.weight_decay), grad_clip=float(o.grad_clip),
+                    b1=float(o.b1), b2=float(o.b2))
+
+  sft = config.sft
+  _int(config, "sft.steps", 0)
+  _int(config, "sft.warmup_steps", 0)
+  _number(config, "sft.lr", 0, lo_open=True)
+  try:
+    weights = tuple(sorted((int(k), float(v)) for k, v in dict(sft.level_weights).items()))
+  except (TypeError, ValueError):
+    raise ConfigError(f"config.sft.level_weights={dict(sft.level_weights)!r}; expected "
+                      f"{{'level': weight}} with integer levels and numeric weights.") from None
+  _need(all(w >= 0 for _, w in weights) and any(w > 0 for _, w in weights),
+        f"config.sft.level_weights={dict(sft.level_weights)!r}; expected non-negative weights, "
+        f"at least one positive.")
+  sft_spec = SFTSpec(steps=sft.steps, batch_size=sft.batch_size, lr=float(sft.lr),
+                     warmup_steps=sft.warmup_steps, max_len=sft.max_len, level_weights=weights)
+
+  g = config.guard
+  _int(config, "guard.max_consecutive_skips", 1)
+  try:
+    lo, hi = (float(x) for x in g.reward_range)
+  except (TypeError, ValueError):
+    raise ConfigError(f"config.guard.reward_range={g.reward_range!r}; expected (low, high)."
+                      ) from None
+  _need(lo <= hi, f"config.guard.reward_range={tuple(g.reward_range)!r} is empty; expected "
+                  f"(low, high) with low <= high.")
+  guard = GuardSpec(max_consecutive_skips=g.max_consecutive_skips, reward_range=(lo, hi))
+
+  m = config.memory
+  _int(config, "memory.device_bytes", 0)
+  _number(config, "memory.activation_margin", 1.0)
+  memory_spec = MemorySpec(device_bytes=m.device_bytes,
+                           activation_margin=float(m.activation_margin), check=bool(m.check))
+  for axis in ("data", "fsdp", "tensor"):
+    v = config.mesh[axis]
+    _need(isinstance(v, int) and (v >= 1 or (axis == "data" and v == -1)),
+          f"config.mesh.{axis}={v!r}; expected a positive integer"
+          f"{' or -1 (the devices left over)' if axis == 'data' else ''}.")
+  mesh = MeshSpec(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor)
+
+  return RunSpec(
+      seed=int(config.seed), total_steps=config.total_steps, eval_every=config.eval_every,
+      fused_step=bool(config.fused_step),
+      checkpoint=CheckpointSpec(every=config.checkpoint_every, keep=keep),
+      task=_task_spec(config), tokenizer=_tokenizer_spec(config), model=_model_spec(config),
+      warm_start_dir=config.warm_start.dir or "", sft=sft_spec,
+      rl=RLSpec(prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
+                advantage=rl.advantage, num_updates=rl.num_updates,
+                num_minibatches=rl.num_minibatches, loss=loss),
+      selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
+      guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config))
+
+
+def _ints(config, key: str) -> tuple[int, ...]:
+  value = _get(config, key)
+  try:
+    return tuple(int(x) for x in (value or ()))
+  except (TypeError, ValueError):
+    raise ConfigError(f"config.{key}={value!r}; expected a tuple of integers.") from None
+
+
+def _task_spec(config) -> TaskSpec:
+  t = config.task
+  _number(config, "task.teacher_error_rate", 0, 1)
+  _int(config, "task.num_eval", 0)
+  _number(config, "task.reward_timeout_s", 0, lo_open=True)
+  return TaskSpec(
+      name=t.name, ops=tuple(t.ops), levels=_ints(config, "task.levels"),
+      num_train_per_level=t.num_train_per_level, num_eval_per_level=t.num_eval_per_level,
+      reverse_answer=bool(t.reverse_answer),
+      teacher_error_levels=_ints(config, "task.teacher_error_levels"),
+      teacher_error_rate=float(t.teacher_error_rate), seed=t.seed, manual_dir=t.manual_dir,
+      num_eval=t.num_eval, rl_levels=_ints(config, "task.rl_levels"),
+      band=_ints(config, "task.band"), eval_levels=_ints(config, "task.eval_levels"),
+      data_dir=t.data_dir, instruction=t.instruction or "{prompt}",
+      reward=t.reward or "exact_match", reward_timeout_s=float(t.reward_timeout_s))
+
+
+def _tokenizer_spec(config) -> TokenizerSpec:
+  t = config.tokenizer
+  _int(config, "tokenizer.vocab_size", 1)
+  return TokenizerSpec(vocab_size=t.vocab_size, path=t.path,
+                       chat_template=bool(t.chat_template), system_prompt=t.system_prompt)
+
+
+def _model_spec(config) -> ModelSpec:
+  m = config.model
+  arch = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in m.items()
+               if k not in _MODEL_KEYS_NOT_ARCH)
+  return ModelSpec(path=m.path, dtype=m.dtype, param_dtype=m.param_dtype, arch_items=arch)
 
 
 def loss_config(config: mlc.ConfigDict) -> LossConfig:
@@ -98,25 +412,20 @@ def loss_config(config: mlc.ConfigDict) -> LossConfig:
   try:
     return LossConfig(eps_low=rl.eps_low, eps_high=rl.eps_high, aggregation=rl.aggregation,
                       kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator, is_cap=rl.is_cap,
-                      is_mode=rl.is_mode, ratio_level=rl.ratio_level,
-                      anchor=rl.get("anchor", "proximal"))
+                      is_mode=rl.is_mode, ratio_level=rl.ratio_level, anchor=rl.anchor)
   except ValueError as e:
     raise ConfigError(f"config.rl: {e}") from None
 
 
-def _section(config: mlc.ConfigDict, name: str) -> dict:
-  return dict(config[name]) if name in config else {}
-
-
 def selection_config(config: mlc.ConfigDict) -> SelectionConfig:
   try:
-    return SelectionConfig(**_section(config, "selection"))
+    return SelectionConfig(**dict(config.selection))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.selection: {e}") from None
 
 
 def replay_config(config: mlc.ConfigDict) -> ReplayConfig | None:
-  fields = _section(config, "replay")
+  fields = dict(config.replay)
   if not fields.pop("enabled", False):
     return None
   try:
@@ -127,7 +436,7 @@ def replay_config(config: mlc.ConfigDict) -> ReplayConfig | None:
 
 def length_config(config: mlc.ConfigDict) -> LengthConfig:
   try:
-    return LengthConfig(**_section(config, "length"))
+    return LengthConfig(**dict(config.length))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.length: {e}") from None
 
@@ -136,35 +445,21 @@ def paged_config(config: mlc.ConfigDict):
   from rlx.sampler.paged import PagedConfig  # pylint: disable=g-import-not-at-top
   s = config.sampler
   try:
-    return PagedConfig(page_size=s.get("page_size", 16), num_pages=s.get("num_pages", 0),
-                       max_slots=s.get("max_slots", 0),
-                       attention_impl=s.get("attention", "reference"),
-                       cascade=s.get("cascade", False))
+    return PagedConfig(page_size=s.page_size, num_pages=s.num_pages, max_slots=s.max_slots,
+                       attention_impl=s.attention, cascade=s.cascade)
   except ValueError as e:
     raise ConfigError(f"config.sampler: {e}") from None
 
 
 def sampling_params(config: mlc.ConfigDict, *, eos_id: int, pad_id: int,
                     stop_ids: tuple[int, ...] = (), greedy: bool = False) -> SamplingParams:
-  s = config.sampler
-  try:
-    return SamplingParams(max_new_tokens=s.max_new_tokens,
-                          temperature=0.0 if greedy else s.temperature,
-                          top_k=0 if greedy else s.top_k, top_p=1.0 if greedy else s.top_p,
-                          eos_id=eos_id, pad_id=pad_id, stop_ids=tuple(stop_ids))
-  except ValueError as e:
-    raise ConfigError(f"config.sampler: {e}") from None
+  return resolve(config).sampler.sampling(eos_id=eos_id, pad_id=pad_id, stop_ids=stop_ids,
+                                          greedy=greedy)
 
 
 def model_config(config: mlc.ConfigDict, vocab_size: int) -> ModelConfig:
   """The tiny-model architecture from config.model (HF checkpoints bring their own)."""
-  fields = {k: v for k, v in config.model.items() if k not in _MODEL_KEYS_NOT_ARCH}
-  fields["vocab_size"] = vocab_size
-  fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items()}
-  try:
-    return ModelConfig.from_dict(fields)
-  except (ValueError, TypeError) as e:
-    raise ConfigError(f"config.model: {e}") from None
+  return _model_spec(config).tiny(vocab_size)
 
 
 def to_plain(config: mlc.ConfigDict) -> dict[str, Any]:
@@ -183,7 +478,7 @@ def defaults() -> mlc.ConfigDict:
   c.total_steps = 200
   c.eval_every = 25
   c.checkpoint_every = 50
-  c.keep_checkpoints = 2
+  c.keep_checkpoints = 2  # newest checkpoints kept (>= 1); 0 keeps every checkpoint
   c.fused_step = False  # True: one jitted step (no generation/update time split)
 
   c.task = mlc.ConfigDict()
@@ -206,6 +501,9 @@ def defaults() -> mlc.ConfigDict:
   # "exact_match": the jnp verifier inside the jitted step. A registered Python reward
   # ("math", "exact") or "package.module:function" runs on the host between the halves.
   c.task.reward = "exact_match"
+  # A host reward that has not returned after this many seconds stops the run (one line);
+  # SIGTERM while it runs still checkpoints the last finished step and exits 75.
+  c.task.reward_timeout_s = 600.0
 
   c.tokenizer = mlc.ConfigDict()
   c.tokenizer.vocab_size = 64  # for a sentencepiece model trained on the task text

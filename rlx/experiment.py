@@ -2,8 +2,8 @@
 
 Base weights, in order of preference:
   1. config.model.path: a Hugging Face checkpoint directory (weights + tokenizer).
-  2. config.warm_start.dir: a base checkpoint written by `python -m rlx.sft` (the default
-     experiment ships one in rlx/assets/), used when its task spec matches the config.
+  2. config.warm_start.dir: a base directory written by an earlier run (WORKDIR/base; see
+     rlx.warm_start), used when the task and model spec it records match the config.
   3. A supervised warm start run now on the task's teacher answers, cached in WORKDIR/base
      (Hugging Face format), so a rerun or resume does not repeat it.
 """
@@ -13,28 +13,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
 import time
 from typing import Any
 
-import ml_collections as mlc
 import tensorflow_datasets as tfds
 
-from rlx import configs, distributed
+from rlx import configs, distributed, sft, warm_start
 from rlx.data import arithmetic, tasks
 from rlx.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
 
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-BASE_META = "rlx_base.json"
 
 
 @dataclasses.dataclass
 class Experiment:
-  config: mlc.ConfigDict
+  spec: configs.RunSpec
   tokenizer: Any
   model_cfg: ModelConfig
   graphdef: Any
@@ -46,45 +43,21 @@ class Experiment:
   base_source: str  # where the base weights came from (for the log)
 
 
-def task_spec(config: mlc.ConfigDict) -> arithmetic.ArithmeticSpec:
-  t = config.task
-  if t.name != "arithmetic":
-    raise configs.ConfigError(f"config.task.name={t.name!r}: the warm start is built only for "
-                              f"'arithmetic'.")
-  for op in t.ops:
-    if op not in arithmetic.OPS:
-      raise configs.ConfigError(f"config.task.ops contains {op!r}; expected ops from "
-                                f"{arithmetic.OPS}.")
-  for key in ("num_train_per_level", "num_eval_per_level"):
-    if int(t[key]) < 1:
-      raise configs.ConfigError(f"config.task.{key}={t[key]} gives an empty dataset; expected "
-                                f">= 1.")
-  if not t.levels or min(int(l) for l in t.levels) < 1:
-    raise configs.ConfigError(f"config.task.levels={tuple(t.levels)}; expected digit counts "
-                              f">= 1.")
-  return arithmetic.ArithmeticSpec(
-      ops=tuple(t.ops), levels=tuple(int(l) for l in t.levels),
-      num_train_per_level=t.num_train_per_level, num_eval_per_level=t.num_eval_per_level,
-      seed=t.get("seed", 0), reverse_answer=t.get("reverse_answer", False),
-      teacher_error_levels=tuple(int(l) for l in t.get("teacher_error_levels", ())),
-      teacher_error_rate=float(t.get("teacher_error_rate", 0.0)))
-
-
 TASKS = ("arithmetic", "gsm8k", "math")
 
 
-def load_task(config: mlc.ConfigDict, data_dir: str) -> tuple[list[dict], list[dict]]:
+def load_task(task: configs.TaskSpec, data_dir: str) -> tuple[list[dict], list[dict]]:
   """(train examples, held-out examples), each {'prompt', 'answer', 'difficulty', ...}."""
   tfds.disable_progress_bar()
   logging.getLogger("absl").setLevel(logging.ERROR)
-  name = config.task.name
+  name = task.name
   if name == "arithmetic":
     with contextlib.redirect_stdout(io.StringIO()):  # TFDS prints "Downloading and preparing"
-      sources = arithmetic.build(task_spec(config), data_dir)
+      sources = arithmetic.build(warm_start.arithmetic_spec(task), data_dir)
     return arithmetic.read_all(sources["train"]), arithmetic.read_all(sources["eval"])
   if name in ("gsm8k", "math"):
     from rlx.data import math_datasets  # pylint: disable=g-import-not-at-top
-    manual = config.task.get("manual_dir", "")
+    manual = task.manual_dir
     if not manual:
       raise configs.ConfigError(f"config.task.name={name!r} reads local JSONL files: set "
                                 f"config.task.manual_dir (see README, Datasets).")
@@ -92,7 +65,7 @@ def load_task(config: mlc.ConfigDict, data_dir: str) -> tuple[list[dict], list[d
       sources = math_datasets.build(name, manual, data_dir)
     train = math_datasets.read_all(sources["train"]) if "train" in sources else []
     held_out = math_datasets.read_all(sources["test"]) if "test" in sources else []
-    n_eval = int(config.task.get("num_eval", 0) or 0)
+    n_eval = task.num_eval
     if not held_out:  # no test file: hold out the tail of train
       n = n_eval or max(1, len(train) // 10)
       train, held_out = train[:-n], train[-n:]
@@ -109,31 +82,12 @@ def _resolve(path: str) -> str:
   return os.path.expanduser(path)
 
 
-def read_base_meta(directory: str) -> dict[str, Any] | None:
-  path = os.path.join(directory, BASE_META)
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+def data_dir_of(spec: configs.RunSpec, workdir: str) -> str:
+  return _resolve(spec.task.data_dir or os.path.join(workdir, "data"))
 
 
-def base_matches(directory: str, config: mlc.ConfigDict) -> tuple[bool, str]:
-  """Whether a warm-start directory was made for this task and model architecture."""
-  meta = read_base_meta(directory)
-  if meta is None:
-    return False, f"{directory} has no {BASE_META}"
-  want = json.loads(json.dumps(dataclasses.asdict(task_spec(config))))
-  got = meta.get("task_spec", {})
-  if got != want:
-    return False, f"{directory} was made for task {got}, the config asks for {want}"
-  arch = json.loads(json.dumps({k: v for k, v in config.model.items() if k != "path"}))
-  if meta.get("model_overrides") != arch:
-    return False, f"{directory} was made for model {meta.get('model_overrides')}, not {arch}"
-  return True, ""
-
-
-def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
-          resuming: bool = False) -> Experiment:
+def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = False,
+          show_progress: bool = True) -> Experiment:
   """Everything the trainer needs, built (or read from cache) on the host.
 
   resuming: the workdir holds checkpoints; its cached base model must then match the config
@@ -144,47 +98,47 @@ def setup(config: mlc.ConfigDict, workdir: str, *, log=print,
   # Process 0 prepares what is cached on disk (data, tokenizer, warm start); the others
   # then read it.
   chosen, source = distributed.main_first(
-      lambda: _prepare(config, workdir, log=log, resuming=resuming), "rlx_prepare")
-  data_dir = _resolve(config.task.get("data_dir", "") or os.path.join(workdir, "data"))
-  train_ex, eval_ex = load_task(config, data_dir)
-  model_path = config.model.get("path", "")
+      lambda: _prepare(spec, workdir, log=log, resuming=resuming,
+                       show_progress=show_progress), "rlx_prepare")
+  task = spec.task
+  train_ex, eval_ex = load_task(task, data_dir_of(spec, workdir))
+  model_path = spec.model.path
   if model_path:
-    tokenizer = load_tokenizer(config.tokenizer.path or model_path)
-    model_cfg, params = hf.load_hf(model_path, dtype=config.model.get("dtype", "float32"),
-                                   param_dtype=config.model.get("param_dtype", None))
+    tokenizer = load_tokenizer(spec.tokenizer.path or model_path)
+    model_cfg, params = hf.load_hf(model_path, dtype=spec.model.dtype,
+                                   param_dtype=spec.model.param_dtype)
   else:
     tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
-    model_cfg, params = hf.load_hf(chosen, dtype=config.model.get("dtype", "float32"))
+    model_cfg, params = hf.load_hf(chosen, dtype=spec.model.dtype)
   graphdef = transformer.graphdef_for(model_cfg)
 
-  eval_levels = tuple(config.task.get("eval_levels", ()) or ())
-  if eval_levels:
-    eval_ex = [e for e in eval_ex if int(e["difficulty"]) in set(int(l) for l in eval_levels)]
+  if task.eval_levels:
+    eval_ex = [e for e in eval_ex if int(e["difficulty"]) in set(task.eval_levels)]
     if not eval_ex:
-      raise configs.ConfigError(f"config.task.eval_levels={eval_levels} selects no eval "
-                                f"example (task.levels={tuple(config.task.levels)}).")
-  rl_levels = set(int(l) for l in (config.task.get("rl_levels", ()) or ()))
+      raise configs.ConfigError(f"config.task.eval_levels={task.eval_levels} selects no eval "
+                                f"example (task.levels={task.levels}).")
+  rl_levels = set(task.rl_levels)
   rl_ex = [e for e in train_ex if not rl_levels or int(e["difficulty"]) in rl_levels]
   if not rl_ex:
-    raise configs.ConfigError(f"config.task.rl_levels={tuple(config.task.rl_levels)} selects no "
-                              f"training example (task.levels={tuple(config.task.levels)}).")
-  max_p = config.sampler.max_prompt_len
-  max_a = config.sampler.max_new_tokens
-  fmt, special = prompt_formatter(config, tokenizer)
+    raise configs.ConfigError(f"config.task.rl_levels={task.rl_levels} selects no "
+                              f"training example (task.levels={task.levels}).")
+  max_p = spec.sampler.max_prompt_len
+  max_a = spec.sampler.max_new_tokens
+  fmt, special = prompt_formatter(spec, tokenizer)
   rl_ex = [{**e, "prompt": fmt(e["prompt"])} for e in rl_ex]
   eval_ex = [{**e, "prompt": fmt(e["prompt"])} for e in eval_ex]
   train_pool, train_host = tasks.tokenize_pool(rl_ex, tokenizer, max_p, max_a,
-                                               task_name=f"{config.task.name} train",
+                                               task_name=f"{task.name} train",
                                                add_special_tokens=special)
   eval_pool, eval_host = tasks.tokenize_pool(eval_ex, tokenizer, max_p, max_a,
-                                             task_name=f"{config.task.name} eval",
+                                             task_name=f"{task.name} eval",
                                              add_special_tokens=special)
-  return Experiment(config=config, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
+  return Experiment(spec=spec, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
                     base_params=params, train_pool=train_pool, train_host=train_host,
                     eval_pool=eval_pool, eval_host=eval_host, base_source=source)
 
 
-def prompt_formatter(config: mlc.ConfigDict, tokenizer):
+def prompt_formatter(spec: configs.RunSpec, tokenizer):
   """(question -> prompt text, whether to add the tokenizer's special tokens).
 
   config.task.instruction is a format string with {prompt}; with
@@ -192,12 +146,12 @@ def prompt_formatter(config: mlc.ConfigDict, tokenizer):
   template (after an optional config.tokenizer.system_prompt), which spells out the special
   tokens itself.
   """
-  instruction = config.task.get("instruction", "") or "{prompt}"
+  instruction = spec.task.instruction
   if "{prompt}" not in instruction:
     raise configs.ConfigError(f"config.task.instruction={instruction!r} must contain "
                               f"'{{prompt}}'.")
-  use_chat = bool(config.get("tokenizer", {}).get("chat_template", False))
-  system = config.get("tokenizer", {}).get("system_prompt", "")
+  use_chat = spec.tokenizer.chat_template
+  system = spec.tokenizer.system_prompt
   if use_chat and not getattr(tokenizer, "chat_template", None):
     raise configs.ConfigError("config.tokenizer.chat_template=True, but the tokenizer has no "
                               "chat template (tokenizer_config.json 'chat_template' or "
@@ -214,24 +168,21 @@ def prompt_formatter(config: mlc.ConfigDict, tokenizer):
   return fmt, not use_chat
 
 
-def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
-             ) -> tuple[str | None, str]:
+def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
+             show_progress: bool) -> tuple[str | None, str]:
   """Prepares the data and picks (or trains) the base model; returns (base dir, source)."""
-  from rlx import sft
-
-  data_dir = _resolve(config.task.get("data_dir", "") or os.path.join(workdir, "data"))
-  train_ex, eval_ex = load_task(config, data_dir)
+  train_ex, eval_ex = load_task(spec.task, data_dir_of(spec, workdir))
   if not train_ex or not eval_ex:
     raise configs.ConfigError(
         f"config.task produced {len(train_ex)} train and {len(eval_ex)} eval examples; "
         f"expected at least one of each (check task.levels and num_*_per_level).")
 
-  model_path = config.model.get("path", "")
-  if not model_path and config.task.name != "arithmetic":
-    raise configs.ConfigError(f"config.task.name={config.task.name!r} needs a base model: set "
+  model_path = spec.model.path
+  if not model_path and spec.task.name != "arithmetic":
+    raise configs.ConfigError(f"config.task.name={spec.task.name!r} needs a base model: set "
                               f"config.model.path to a Hugging Face checkpoint directory (the "
                               f"built-in warm start exists only for 'arithmetic').")
-  warm_dir = _resolve(config.get("warm_start", {}).get("dir", "") or "")
+  warm_dir = _resolve(spec.warm_start_dir)
   if warm_dir and not os.path.isdir(warm_dir):
     raise FileNotFoundError(f"config.warm_start.dir={warm_dir!r} is not a directory; expected a "
                             f"base model written by an earlier run (WORKDIR/base).")
@@ -245,7 +196,7 @@ def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
     chosen = None
     for d in (base_dir, warm_dir):
       if d and os.path.isdir(d):
-        ok, why = base_matches(d, config)
+        ok, why = warm_start.base_matches(d, spec)
         if ok:
           chosen = d
           break
@@ -256,14 +207,15 @@ def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
               f"a new --workdir, or the config it was made with.")
         log(f"[rlx] not using warm start {d}: {why}")
     if chosen is None:
-      tokenizer = _task_tokenizer(config, train_ex, workdir)
-      model_cfg = configs.model_config(config, tokenizer.vocab_size)
+      tokenizer = _task_tokenizer(spec, train_ex, workdir)
+      model_cfg = spec.model.tiny(tokenizer.vocab_size)
       t0 = time.time()
-      log(f"[rlx] supervised warm start: {config.sft.steps} steps on the task's teacher "
+      log(f"[rlx] supervised warm start: {spec.sft.steps} steps on the task's teacher "
           f"answers (cached in {base_dir})")
-      params = sft.train(config, model_cfg, tokenizer, train_ex, eval_ex, log=log)
-      sft.save_base(base_dir, config, model_cfg, params, tokenizer,
-                    extra={"sft_seconds": round(time.time() - t0, 1)})
+      params = sft.train(spec.sft, spec.seed, model_cfg, tokenizer, train_ex,
+                         show_progress=show_progress)
+      warm_start.save_base(base_dir, spec, model_cfg, params, tokenizer,
+                           extra={"sft_seconds": round(time.time() - t0, 1)})
       chosen = base_dir
       source = f"warm start trained now ({time.time() - t0:.0f}s), saved to {base_dir}"
     else:
@@ -271,9 +223,9 @@ def _prepare(config: mlc.ConfigDict, workdir: str, *, log, resuming: bool
   return chosen, source
 
 
-def _task_tokenizer(config: mlc.ConfigDict, train_ex: list[dict], workdir: str) -> Tokenizer:
-  if config.tokenizer.path:
-    return load_tokenizer(config.tokenizer.path)
+def _task_tokenizer(spec: configs.RunSpec, train_ex: list[dict], workdir: str) -> Tokenizer:
+  if spec.tokenizer.path:
+    return load_tokenizer(spec.tokenizer.path)
   path = os.path.join(workdir, "tokenizer.model")
   if os.path.exists(path):
     return Tokenizer.load(path)
@@ -282,7 +234,7 @@ def _task_tokenizer(config: mlc.ConfigDict, train_ex: list[dict], workdir: str) 
     texts.append(e["prompt"] + e["answer"])
     if e.get("teacher_answer", e["answer"]) != e["answer"]:
       texts.append(e["prompt"] + e["teacher_answer"])
-  tok = train_sentencepiece(texts, config.tokenizer.vocab_size)
+  tok = train_sentencepiece(texts, spec.tokenizer.vocab_size)
   os.makedirs(workdir, exist_ok=True)
   tok.save(path)
   return tok

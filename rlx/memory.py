@@ -57,7 +57,7 @@ _HINT_FSDP = "more FSDP (config.mesh.fsdp)"
 _HINT_BF16 = "bf16 master weights (config.model.param_dtype='bfloat16')"
 _HINT_PROMPTS = "fewer config.rl.prompts_per_step (or a smaller rl.group_size)"
 _HINT_MINIBATCH = "more config.rl.num_minibatches"
-_HINT_POOL = ("a smaller KV pool (config.sampler.paged.num_pages / max_slots) or a shorter "
+_HINT_POOL = ("a smaller KV pool (config.sampler.num_pages / max_slots) or a shorter "
               "sampler.max_new_tokens")
 _HINT_REPLAY = "a smaller config.replay.capacity"
 _HINT_EVAL = "a smaller config.sampler.eval_batch_size"
@@ -115,13 +115,12 @@ class MemoryPlan:
 # ----------------------------------------------------------------------------- capacity
 
 
-def device_memory_bytes(config: mlc.ConfigDict | None = None) -> tuple[int, str]:
+def device_memory_bytes(override: int = 0) -> tuple[int, str]:
   """(bytes one device may use, where that number came from).
 
-  config.memory.device_bytes > 0 wins; else the accelerator's `bytes_limit`; else (CPU) the
-  host's RAM divided by the local device count.
+  override (config.memory.device_bytes) > 0 wins; else the accelerator's `bytes_limit`; else
+  (CPU) the host's RAM divided by the local device count.
   """
-  override = int(_memory_section(config).get("device_bytes", 0) or 0)
   if override < 0:
     raise configs.ConfigError(f"config.memory.device_bytes={override}; expected 0 (auto) or "
                               "a positive byte count.")
@@ -137,12 +136,6 @@ def device_memory_bytes(config: mlc.ConfigDict | None = None) -> tuple[int, str]
   host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   n = jax.local_device_count()
   return host // n, f"host RAM / {n} local {dev.platform} device(s)"
-
-
-def _memory_section(config) -> Mapping[str, Any]:
-  if config is None:
-    return {}
-  return config.get("memory", None) or {}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -235,7 +228,8 @@ def human(n: float) -> str:
 # ----------------------------------------------------------------------------- plan
 
 
-def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *,
+def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
+         mesh_shape: Mapping[str, int], *,
          num_prompts: int | None = None, prompt_width: int | None = None,
          num_groups: int | None = None,
          rules=shd.DEFAULT_RULES) -> MemoryPlan:
@@ -246,27 +240,28 @@ def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str
     config.task as num_train_per_level x ops x rl_levels). prompt_width: the pool's prompt
     width (None: config.sampler.max_prompt_len).
   """
+  spec = configs.resolve(config)
   sizes = _check_mesh(mesh_shape)
   mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
   nb = sizes["data"] * sizes["fsdp"]  # devices the batch is split over
-  margin = float(_memory_section(config).get("activation_margin", DEFAULT_ACTIVATION_MARGIN))
+  margin = spec.memory.activation_margin
   if margin < 1.0:
     raise configs.ConfigError(f"config.memory.activation_margin={margin}; expected >= 1.0.")
-  capacity, source = device_memory_bytes(config)
+  capacity, source = device_memory_bytes(spec.memory.device_bytes)
 
-  rl, s = config.rl, config.sampler
-  loss = configs.loss_config(config)
-  sel = configs.selection_config(config)
-  rep = configs.replay_config(config)
-  sp = configs.sampling_params(config, eos_id=0, pad_id=0)
+  rl, s = spec.rl, spec.sampler
+  loss = rl.loss
+  sel = spec.selection
+  rep = spec.replay
+  sp = s.sampling(eos_id=0, pad_id=0)
   pw = int(prompt_width if prompt_width is not None else s.max_prompt_len)
   t_new = int(s.max_new_tokens)
   seq = pw + t_new
   g = int(rl.group_size)
   if num_prompts is None:
-    task = config.get("task", None) or {}
-    num_prompts = (int(task.get("num_train_per_level", 0)) * len(task.get("ops", ("",)) or ("",))
-                   * len(task.get("rl_levels", ()) or ()))
+    task = spec.task
+    num_prompts = (task.num_train_per_level * max(len(task.ops), 1)
+                   * len(task.rl_levels or task.levels))
   n_prompts = int(num_prompts)
 
   cfg = model_cfg
@@ -293,11 +288,10 @@ def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str
   add("params", params_dev,
       f"{cfg.num_params() / 1e6:.1f}M x {w}B ({cfg.param_dtype}), {split_note}", "state",
       f"{_HINT_FSDP}; {_HINT_BF16}")
-  o = config.get("optim", None) or {}
-  tx = train.make_optimizer(
-      float(o.get("lr", 1e-6)), int(config.get("total_steps", 1)),
-      warmup_steps=int(o.get("warmup_steps", 0)), schedule=o.get("schedule", "constant"),
-      weight_decay=float(o.get("weight_decay", 0.0)), grad_clip=float(o.get("grad_clip", 1.0)))
+  o = spec.optim
+  tx = train.make_optimizer(o.lr, spec.total_steps, warmup_steps=o.warmup_steps,
+                            schedule=o.schedule, weight_decay=o.weight_decay,
+                            grad_clip=o.grad_clip, b1=o.b1, b2=o.b2)
   opt_abstract = jax.eval_shape(tx.init, abstract)
   opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
   add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
@@ -306,7 +300,7 @@ def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str
   if loss.kl_coef > 0:
     add("reference params (kl_coef > 0)", params_dev, "= params", "state",
         "config.rl.kl_coef=0 (no reference model)")
-  n_groups = int(num_groups) if num_groups else len(tuple(config.task.get("levels", ())) or (0,))
+  n_groups = int(num_groups) if num_groups else max(len(spec.task.levels), 1)
   sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
       lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups))))
   add("selector", sel_bytes if n_prompts else 0,
@@ -325,7 +319,7 @@ def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str
   rows = sel.groups_sampled_factor * int(rl.prompts_per_step) * g
   local = _cdiv(rows, nb)
   if s.impl == "paged":
-    pc = _paged_config(config)
+    pc = s.paged
     group = math.gcd(g, local)
     lay = paged._Layout.make(local, group, pw, sp, pc)  # pylint: disable=protected-access
     add("sampler KV pool (paged)",
@@ -394,16 +388,6 @@ def plan(config: mlc.ConfigDict, model_cfg: ModelConfig, mesh_shape: Mapping[str
   )
   return MemoryPlan(items=tuple(items), capacity_bytes=int(capacity), capacity_source=source,
                     mesh_shape=dict(sizes), activation_margin=margin, notes=notes)
-
-
-def _paged_config(config) -> paged.PagedConfig:
-  fields = config.sampler.get("paged", None) or {}
-  fields = {k: v for k, v in dict(fields).items() if k in {
-      f.name for f in dataclasses.fields(paged.PagedConfig)}}
-  try:
-    return paged.PagedConfig(**fields)
-  except (ValueError, TypeError) as e:
-    raise configs.ConfigError(f"config.sampler.paged: {e}") from None
 
 
 def _dense_sampler(add, cfg: ModelConfig, label: str, rows: int, pw: int, t_new: int,

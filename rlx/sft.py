@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rlx.configs import SFTSpec
 from rlx.data.tokenizer import Tokenizer
 from rlx.model import transformer
 
@@ -85,20 +86,22 @@ def level_sampler(data: SFTData, weights: dict[int, float], seed: int):
   return draw
 
 
-def train(config, model_cfg, tokenizer, train_examples, eval_examples=None, *, log=print):
-  """Runs the supervised warm start described by config.sft; returns host params."""
+def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
+          show_progress: bool = True):
+  """Runs the supervised warm start `sft` (config.sft); returns host params."""
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-  c = config.sft
-  weights = {int(k): float(v) for k, v in c.level_weights.items()}
+  c = sft
+  weights = {k: v for k, v in c.level_weights}
   data = tokenize_sft(train_examples, tokenizer, c.max_len, answer_key="teacher_answer")
-  graphdef, params = transformer.init_params(model_cfg, config.seed)
+  graphdef, params = transformer.init_params(model_cfg, seed)
   sched = optax.warmup_cosine_decay_schedule(0.0, c.lr, max(1, c.warmup_steps),
                                              max(c.steps, c.warmup_steps + 1), c.lr * 0.05)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
   opt_state = tx.init(params)
   step = make_sft_step(graphdef, tx)
-  draw = level_sampler(data, weights, config.seed)
-  bar = tqdm(range(c.steps), desc="warm start", unit="step", dynamic_ncols=True)
+  draw = level_sampler(data, weights, seed)
+  bar = tqdm(range(c.steps), desc="warm start", unit="step", dynamic_ncols=True,
+             disable=not show_progress)
   for i in bar:
     idx = draw(c.batch_size)
     params, opt_state, loss = step(params, opt_state, data.tokens[idx], data.loss_mask[idx],
@@ -106,25 +109,3 @@ def train(config, model_cfg, tokenizer, train_examples, eval_examples=None, *, l
     if (i + 1) % 100 == 0 or i + 1 == c.steps:
       bar.set_postfix(loss=f"{float(loss):.4f}")
   return jax.device_get(params)
-
-
-def save_base(directory, config, model_cfg, params, tokenizer, *, extra=None):
-  """Writes a warm-start checkpoint: HF safetensors + tokenizer + the spec it was made for."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  from rlx import experiment  # pylint: disable=g-import-not-at-top
-  from rlx.model import hf  # pylint: disable=g-import-not-at-top
-  os.makedirs(directory, exist_ok=True)
-  hf.save_hf(model_cfg, params, directory, architecture="LlamaForCausalLM")
-  tokenizer.save(os.path.join(directory, "tokenizer.model"))
-  meta = {
-      "task_spec": dataclasses.asdict(experiment.task_spec(config)),
-      "model_overrides": {k: v for k, v in config.model.items() if k != "path"},
-      "sft": config.sft.to_dict(),
-      "seed": config.seed,
-      **(extra or {}),
-  }
-  tmp = os.path.join(directory, experiment.BASE_META + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(meta, f, indent=2, sort_keys=True)
-  os.replace(tmp, os.path.join(directory, experiment.BASE_META))

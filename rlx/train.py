@@ -44,7 +44,7 @@ from rlx.rl import replay as replay_lib
 from rlx.rl import selection
 from rlx.rl.loss import LossConfig, importance_weights, policy_loss
 from rlx.sampler import dense, paged
-from rlx.sampler.sampling import SamplingParams
+from rlx.sampler.sampling import SamplingParams, prompt_positions
 
 
 @struct.dataclass
@@ -138,7 +138,7 @@ def sequence_inputs(prompts_BxP, prompt_lens_B, completions_BxT, lengths_B):
   """Concatenates left-padded prompts and completions: tokens, positions, valid, resp mask."""
   p = prompts_BxP.shape[1]
   t = completions_BxT.shape[1]
-  ppos, pvalid = dense.prompt_positions(prompt_lens_B, p)
+  ppos, pvalid = prompt_positions(prompt_lens_B, p)
   steps = jnp.arange(t)[None, :]
   cpos = prompt_lens_B[:, None] + steps
   cvalid = steps < lengths_B[:, None]
@@ -364,7 +364,9 @@ def ledger(fresh: Batch, batch: Batch, mask, old_logp, replayed, policy_version,
   b = fresh.lengths.shape[0]
   lengths = fresh.lengths.astype(jnp.float32)
   groups = fresh.rewards.reshape(-1, g)
-  zero_var = jnp.all(groups == groups[:, :1], axis=1)
+  # Zero-signal groups by their advantages (what the loss and the replay ring see), not by the
+  # task rewards: shaped rewards can differ where the verifier's do not, and the other way round.
+  zero_var = jnp.all(fresh.advantages.reshape(-1, g) == 0, axis=1)
   zero_rows = jnp.repeat(zero_var, g)
   signal = fresh.advantages != 0
   drift = jnp.where(mask[:b], jnp.abs(old_logp[:b] - fresh.behaviour_logp), 0.0)

@@ -8,8 +8,8 @@ and orbax checkpoints. A rerun with the same workdir resumes from the last check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 import signal
 import threading
@@ -24,34 +24,35 @@ from rlx import checkpoint as ckpt_lib
 from rlx import configs, distributed, evaluate, experiment, memory, metrics as metrics_lib
 from rlx import tensorboard, train
 from rlx import sharding as shd
+from rlx.workdir import WorkdirLock
 
 
-def _check_workdir(workdir: str) -> None:
+def _check_writable(directory: str, flag: str) -> None:
   try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".rlx_write_probe{jax.process_index()}")
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".rlx_write_probe{jax.process_index()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
   except OSError as e:
-    raise configs.ConfigError(f"--workdir={workdir!r} is not writable ({e.strerror}); "
-                              f"choose a directory you can write to.") from None
+    what = f"{flag}={directory!r}" if flag.startswith("--") else f"{flag} {directory!r}"
+    raise configs.ConfigError(f"{what} is not writable ({e.strerror}); choose a directory "
+                              f"you can write to.") from None
 
 
-def step_config(config: mlc.ConfigDict, tokenizer) -> train.StepConfig:
+def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
   stop_ids = tuple(getattr(tokenizer, "stop_ids", ()) or ())
+  rl = spec.rl
   return train.StepConfig(
-      prompts_per_step=config.rl.prompts_per_step, group_size=config.rl.group_size,
-      advantage=config.rl.advantage, num_updates=config.rl.num_updates,
-      num_minibatches=config.rl.num_minibatches, loss=configs.loss_config(config),
-      sampling=configs.sampling_params(config, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                       stop_ids=stop_ids),
-      sampler_impl=config.sampler.impl,
-      paged=configs.paged_config(config) if config.sampler.impl == "paged" else None,
-      selection=configs.selection_config(config),
-      replay=configs.replay_config(config), length=configs.length_config(config),
-      reward_range=tuple(float(x) for x in config.get("guard", {}).get(
-          "reward_range", (-10.0, 10.0))))
+      prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
+      advantage=rl.advantage, num_updates=rl.num_updates,
+      num_minibatches=rl.num_minibatches, loss=rl.loss,
+      sampling=spec.sampler.sampling(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                     stop_ids=stop_ids),
+      sampler_impl=spec.sampler.impl,
+      paged=spec.sampler.paged if spec.sampler.impl == "paged" else None,
+      selection=spec.selection, replay=spec.replay, length=spec.length,
+      reward_range=spec.guard.reward_range)
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -62,14 +63,14 @@ def band_accuracy(m: dict[str, float], band) -> float:
   return float(np.mean(vals)) if vals else float("nan")
 
 
-def host_reward_fn(config: mlc.ConfigDict):
+def host_reward_fn(spec: configs.RunSpec):
   """The checked Python reward named by config.task.reward, or None for the jnp verifier.
 
   "exact_match": the task's token-level jnp verifier inside the jitted step (default).
   A registered name ("math", "exact", see rlx.rewards) or "package.module:function": host
   Python between the rollout and update halves.
   """
-  name = config.task.get("reward", "exact_match") or "exact_match"
+  name = spec.task.reward
   if name == "exact_match":
     return None
   from rlx import rewards  # pylint: disable=g-import-not-at-top
@@ -85,15 +86,18 @@ def host_reward_fn(config: mlc.ConfigDict):
       fn = rewards.get_reward(name)
     except (KeyError, ValueError) as e:
       raise configs.ConfigError(f"config.task.reward={name!r}: {e}") from None
-  lo, hi = config.get("guard", {}).get("reward_range", (-10.0, 10.0))
-  return rewards.wrap_reward(fn, task_name=config.task.name, low=lo, high=hi)
+  if not callable(fn):
+    raise configs.ConfigError(f"config.task.reward={name!r} names {type(fn).__name__} "
+                              f"{fn!r:.80}, not a function.")
+  lo, hi = spec.guard.reward_range
+  return rewards.wrap_reward(fn, task_name=spec.task.name, low=lo, high=hi)
 
 
 @dataclasses.dataclass
 class Setup:
   """Everything a run needs before its first step (shared by `run` and the benchmarks)."""
 
-  config: mlc.ConfigDict
+  spec: configs.RunSpec
   exp: experiment.Experiment
   mesh: Any
   step_cfg: train.StepConfig
@@ -101,51 +105,65 @@ class Setup:
   state: train.TrainState
   fns: train.StepFns
 
+  @property
+  def held_out(self):
+    """The held-out examples (prompts, answers, difficulty) that evaluation scores."""
+    return self.exp.eval_host
 
-def build(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print,
-          devices=None) -> Setup:
+
+def resolve(config: mlc.ConfigDict | configs.RunSpec, devices=None):
+  """(RunSpec, mesh): the config checked against the mesh it will run on."""
+  spec = configs.resolve(config)
+  m = spec.mesh
+  mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+  if not isinstance(config, configs.RunSpec):
+    spec = configs.resolve(config, shd.batch_size_of(mesh))
+  return spec, mesh
+
+
+def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
+          log: Callable[[str], None] = print, devices=None,
+          show_progress: bool = False) -> Setup:
   """Validates the config, prepares data / tokenizer / base model, compiles nothing yet.
 
-  devices: the devices of the mesh (default: all devices of all processes).
+  devices: the devices of the mesh (default: all devices of all processes). Writes only
+  caches (WORKDIR/data, tokenizer, base); the run's record (config.json) is `run`'s.
   """
-  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
-  configs.validate(config, shd.batch_size_of(mesh))
-  _check_workdir(workdir)
-  if jax.process_index() == 0:
-    ckpt_lib.save_json(os.path.join(workdir, "config.json"), configs.to_plain(config))
+  spec, mesh = resolve(config, devices)
+  _check_writable(workdir, "--workdir")
   has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
       name.isdigit() for name in os.listdir(os.path.join(workdir, "checkpoints")))
-  exp = experiment.setup(config, workdir, log=log, resuming=has_checkpoints)
+  exp = experiment.setup(spec, workdir, log=log, resuming=has_checkpoints,
+                         show_progress=show_progress)
   log(f"[rlx] model: {exp.model_cfg.num_params() / 1e6:.2f}M params "
       f"({exp.model_cfg.num_layers} layers, d_model {exp.model_cfg.d_model}); base: "
       f"{exp.base_source}")
   log(f"[rlx] mesh {dict(mesh.shape)}; RL pool {exp.train_pool.size} prompts (levels "
-      f"{tuple(config.task.rl_levels)}), eval {exp.eval_pool.size} prompts")
-  mem = memory.plan(config, exp.model_cfg, dict(mesh.shape), num_prompts=exp.train_pool.size,
+      f"{spec.task.rl_levels or spec.task.levels}), eval {exp.eval_pool.size} prompts")
+  mem = memory.plan(spec, exp.model_cfg, dict(mesh.shape), num_prompts=exp.train_pool.size,
                     prompt_width=exp.train_pool.max_prompt_len)
   log(f"[rlx] memory plan: peak {memory.human(mem.total_bytes)} per device of "
       f"{memory.human(mem.capacity_bytes)} ({mem.peak_phase}); --dry_run prints the whole plan")
-  if config.get("memory", {}).get("check", True):
+  if spec.memory.check:
     memory.check_fits(mem)
-  cfg = step_config(config, exp.tokenizer)
-  tx = train.make_optimizer(config.optim.lr, config.total_steps,
-                            warmup_steps=config.optim.warmup_steps,
-                            schedule=config.optim.schedule,
-                            weight_decay=config.optim.weight_decay,
-                            grad_clip=config.optim.grad_clip, b1=config.optim.b1,
-                            b2=config.optim.b2,
+  cfg = step_config(spec, exp.tokenizer)
+  o = spec.optim
+  tx = train.make_optimizer(o.lr, spec.total_steps, warmup_steps=o.warmup_steps,
+                            schedule=o.schedule, weight_decay=o.weight_decay,
+                            grad_clip=o.grad_clip, b1=o.b1, b2=o.b2,
                             updates_per_step=cfg.num_updates * cfg.num_minibatches)
-  state = train.init_state(exp.base_params, tx, config.seed, mesh,
+  state = train.init_state(exp.base_params, tx, spec.seed, mesh,
                            with_ref=cfg.loss.kl_coef > 0, num_prompts=exp.train_pool.size,
                            prompt_groups=np.unique(np.asarray(exp.train_pool.difficulty),
                                                    return_inverse=True)[1],
                            replay=cfg.replay, prompt_width=exp.train_pool.max_prompt_len,
                            max_new_tokens=cfg.sampling.max_new_tokens)
   fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, jax.eval_shape(lambda: state))
-  return Setup(config=config, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns)
+  return Setup(spec=spec, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns)
 
 
-def dry_run(config: mlc.ConfigDict, workdir: str, *, devices=None) -> tuple[Any, str]:
+def dry_run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
+            devices=None) -> tuple[Any, str]:
   """The memory plan of a run, without data, weights or compilation: (plan, text).
 
   The model shape comes from config.model.path's config.json (weights are not read) or from
@@ -154,18 +172,16 @@ def dry_run(config: mlc.ConfigDict, workdir: str, *, devices=None) -> tuple[Any,
   """
   from rlx.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
   from rlx.model import hf  # pylint: disable=g-import-not-at-top
-  mesh = shd.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
-  configs.validate(config, shd.batch_size_of(mesh))
-  if config.model.get("path", ""):
-    model_cfg = hf.config_from_hf(hf.read_config(config.model.path),
-                                  dtype=config.model.get("dtype", "float32"),
-                                  param_dtype=config.model.get("param_dtype", None))
+  spec, mesh = resolve(config, devices)
+  if spec.model.path:
+    model_cfg = hf.config_from_hf(hf.read_config(spec.model.path), dtype=spec.model.dtype,
+                                  param_dtype=spec.model.param_dtype)
   else:
     tok_path = os.path.join(workdir, "tokenizer.model")
     vocab = (Tokenizer.load(tok_path).vocab_size if os.path.exists(tok_path)
-             else config.tokenizer.vocab_size)
-    model_cfg = configs.model_config(config, vocab)
-  plan = memory.plan(config, model_cfg, dict(mesh.shape))
+             else spec.tokenizer.vocab_size)
+    model_cfg = spec.model.tiny(vocab)
+  plan = memory.plan(spec, model_cfg, dict(mesh.shape))
   text = (f"model: {model_cfg.num_params() / 1e6:.1f}M params, {model_cfg.num_layers} layers, "
           f"d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}\n" +
           memory.format_plan(plan))
@@ -180,6 +196,10 @@ class NumericError(RuntimeError):
   """Training produced non-finite values K steps in a row, or invalid rewards."""
 
 
+class RewardError(ValueError):
+  """A host reward hung past its timeout or ended the process from inside."""
+
+
 def _fault(point: str, step: int) -> None:
   """Test hook: RLX_FAULT="kill_after_rollout:5,kill_in_save:4" SIGKILLs this process there."""
   for item in filter(None, os.environ.get("RLX_FAULT", "").split(",")):
@@ -188,11 +208,25 @@ def _fault(point: str, step: int) -> None:
       os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _Stop(BaseException):
+  """SIGTERM / SIGINT outside the RL loop's step boundary (raised from the handler)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+
+
 class _SignalFlag:
-  """Remembers SIGTERM / SIGINT so the loop can checkpoint and stop at a step boundary."""
+  """SIGTERM / SIGINT handling for a whole run.
+
+  While `deferred` (inside the RL loop) a signal is remembered, so the loop can checkpoint
+  and stop at a step boundary; otherwise (set-up, warm start, base evaluation) the handler
+  raises `_Stop` at once, since there is no step to finish.
+  """
 
   def __init__(self):
     self.signum = None
+    self.deferred = False
     self._old = {}
 
   def __enter__(self):
@@ -206,140 +240,311 @@ class _SignalFlag:
     if self.signum is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt  # a second Ctrl-C: stop now
     self.signum = signum
+    if not self.deferred:
+      raise _Stop(signum)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
 
 
-def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = print,
-        show_progress: bool = True, devices=None) -> dict[str, Any]:
+def _call_host_reward(fn: Callable[[], Any], *, name: str, timeout_s: float,
+                      stop: _SignalFlag | None) -> Any:
+  """Runs a host reward in a worker thread, so a reward that hangs neither blocks SIGTERM
+  (the loop still checkpoints and exits 75) nor the run forever (`timeout_s`).
+
+  Returns None when a signal arrived while it ran (the caller stops; `stop=None`: signals are
+  left to the handler); any BaseException the reward raises (sys.exit included) becomes one
+  RewardError line.
+  """
+  box: dict[str, Any] = {}
+
+  def target():
+    try:
+      box["value"] = fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      box["error"] = e
+
+  worker = threading.Thread(target=target, name="rlx-host-reward", daemon=True)
+  worker.start()
+  deadline = time.monotonic() + timeout_s
+  while worker.is_alive():
+    worker.join(0.05)
+    if stop is not None and stop.signum is not None:
+      return None
+    if time.monotonic() > deadline and worker.is_alive():
+      raise RewardError(
+          f"reward function {name} did not return within {timeout_s:g} s "
+          f"(config.task.reward_timeout_s); the last checkpoint is kept. Fix the reward or "
+          f"raise the timeout, then rerun the same command to resume.")
+  if "error" in box:
+    e = box["error"]
+    if isinstance(e, Exception):
+      raise e
+    what = (f"called sys.exit({e.code!r})" if isinstance(e, SystemExit)
+            else f"raised {type(e).__name__}")
+    raise RewardError(f"reward function {name} {what}; a reward must return one float per "
+                      f"completion. The last checkpoint is kept.") from None
+  return box["value"]
+
+
+class _Saver:
+  """Checkpoint saves that fail with one line naming the path and the OS error."""
+
+  def __init__(self, ckpt: ckpt_lib.Checkpointer):
+    self.ckpt = ckpt
+
+  def _fail(self, step: int, e: BaseException):
+    err = e
+    while err is not None and not isinstance(err, OSError):
+      err = err.__cause__ or err.__context__
+    why = (f"{err.strerror or err} ({os.strerror(err.errno) if err.errno else ''})".strip()
+           if isinstance(err, OSError) else f"{type(e).__name__}: {' '.join(str(e).split())}")
+    latest = self.ckpt.latest_step()
+    keep = (f"the checkpoint of step {latest} is kept" if latest is not None
+            else "no earlier checkpoint exists")
+    return ckpt_lib.CheckpointError(
+        f"could not save the checkpoint of step {step} to {self.ckpt.directory} "
+        f"({why[:300]}); {keep}. Free space or fix permissions, then rerun to resume.")
+
+  def save(self, step: int, state, meta, *, force: bool = False, wait: bool = False) -> None:
+    try:
+      self.ckpt.save(step, state, meta, force=force)
+      if wait:
+        self.ckpt.wait()
+    except Exception as e:  # pylint: disable=broad-except  (orbax wraps OS errors variously)
+      raise self._fail(step, e) from None
+    if wait and self.ckpt.latest_step() != step:
+      raise self._fail(step, RuntimeError("the checkpoint is not on disk after the save"))
+
+  def close(self) -> None:
+    try:
+      self.ckpt.close()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._fail(self.ckpt.latest_step() or 0, e) from None
+
+
+def _config_diff(saved: dict | None, ours: dict, prefix: str = "") -> list[str]:
+  """'key: checkpoint X, now Y' for every config value that differs (dotted keys)."""
+  if saved is None:
+    return []
+  out = []
+  for k in sorted(set(saved) | set(ours)):
+    a, b = saved.get(k, "<absent>"), ours.get(k, "<absent>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _config_diff(a, b, f"{prefix}{k}.")
+    elif a != b:
+      out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
+  return out
+
+
+# Settings that change the saved state's tree or shapes (optimizer chain, replay ring, selector,
+# reference params, prompt pool): a checkpoint made with other values cannot be restored.
+_LAYOUT_KEYS = ("optim.", "replay.", "selection.", "rl.kl_coef", "task.", "sampler.max_",
+                "model.", "tokenizer.")
+
+
+def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_cfg,
+             record: dict, log) -> Any:
+  """Restores `step`; a failure names the config settings that differ from the checkpoint's
+  (a changed optimizer or replay setting changes the saved state's layout) instead of
+  calling a healthy checkpoint corrupt."""
+  import json  # pylint: disable=g-import-not-at-top
+  saved = ckpt.read_meta(step).get("config")
+  ours = json.loads(json.dumps(record, default=str))
+  diff = _config_diff(saved, ours)
+  try:
+    state, _ = ckpt.restore(step, abstract, shardings, model_cfg)
+  except ckpt_lib.CheckpointError as e:
+    layout = [d for d in diff if d.startswith(_LAYOUT_KEYS)]
+    if not layout or "different model" in str(e):
+      raise
+    shown = "; ".join(layout[:6]) + (f"; and {len(layout) - 6} more" if len(layout) > 6 else "")
+    raise ckpt_lib.CheckpointError(
+        f"the checkpoint at {ckpt.directory}/{step} was made with other settings ({shown}), "
+        f"and its saved state does not fit this config. Rerun with the checkpoint's settings "
+        f"(its config is in the workdir's config.json) to resume, or pass a new --workdir to "
+        f"start a new run.") from None
+  if diff:
+    log(f"[rlx] resuming with settings changed since the checkpoint: {'; '.join(diff[:6])}"
+        + (f"; and {len(diff) - 6} more" if len(diff) > 6 else ""))
+  return state
+
+
+def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
+        log: Callable[[str], None] = print, show_progress: bool = True,
+        devices=None) -> dict[str, Any]:
   """Trains per `config` in `workdir`; returns a summary (accuracy before/after, timings).
 
   Rerunning with the same workdir resumes from the last checkpoint; SIGTERM / SIGINT save
-  a checkpoint at the end of the current step and raise `Preempted`.
+  a checkpoint at the end of the current step (or, before the first step, stop at once) and
+  raise `Preempted`. One run at a time holds a workdir (WorkdirBusy otherwise).
   """
   main_process = jax.process_index() == 0
   if not main_process:
     log, show_progress = (lambda s: None), False
-  setup = build(config, workdir, log=log, devices=devices)
+  spec, _ = resolve(config, devices)  # before touching the workdir: a bad config changes nothing
+  _check_writable(workdir, "--workdir")
+  lock = WorkdirLock(workdir) if main_process else contextlib.nullcontext()
+  with lock, _SignalFlag() as stop:
+    _check_writable(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
+    try:
+      return _run(spec, workdir, log=log, show_progress=show_progress, devices=devices,
+                  stop=stop, main_process=main_process)
+    except _Stop as e:
+      raise Preempted(
+          f"stopped by {signal.Signals(e.signum).name} before the first RL step of this "
+          f"process: there was no new step to checkpoint (the data, tokenizer and warm-start "
+          f"caches already written are kept). Rerun the same command to resume.") from None
+
+
+def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
+         stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
+  host_reward = host_reward_fn(spec)  # an unknown reward fails before any work
+  setup = build(spec, workdir, log=log, devices=devices, show_progress=show_progress)
   exp, mesh, fns, state = setup.exp, setup.mesh, setup.fns, setup.state
   tok = exp.tokenizer
   abstract = jax.eval_shape(lambda: state)
 
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=config.keep_checkpoints)
-  meta = {"model": exp.model_cfg.to_dict(), "config": configs.to_plain(config)}
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=spec.checkpoint.keep)
+  saver = _Saver(ckpt)
+  meta = {"model": exp.model_cfg.to_dict(), "config": spec.record}
   start = 0
   latest = ckpt.latest_step()
   if latest is not None:
-    state, _ = ckpt.restore(latest, abstract, fns.state_sharding, exp.model_cfg)
+    state = _restore(ckpt, latest, abstract, fns.state_sharding, exp.model_cfg, spec.record,
+                     log)
     start = int(latest)
     log(f"[rlx] resumed from {ckpt.directory}/{latest}")
 
-  greedy = configs.sampling_params(config, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                   stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
-                                   greedy=True)
-  host_reward = host_reward_fn(config)
+  greedy = spec.sampler.sampling(eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                 stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
+                                 greedy=True)
+  reward_name = repr(spec.task.reward)
+  eval_reward = None
+  if host_reward is not None:
+    def eval_reward(*args, **kwargs):  # evaluation finishes even when a signal is pending
+      return _call_host_reward(lambda: host_reward(*args, **kwargs), name=reward_name,
+                               timeout_s=spec.task.reward_timeout_s, stop=None)
   evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
-                                 config.sampler.eval_batch_size, mesh, host_reward=host_reward,
-                                 host=exp.eval_host, tokenizer=tok)
-  band = tuple(config.task.band)
+                                 spec.sampler.eval_batch_size, mesh, host_reward=eval_reward,
+                                 host=exp.eval_host, tokenizer=tok,
+                                 **_eval_progress_kw(show_progress))
+  band = spec.task.band
   base_eval_path = os.path.join(workdir, "eval_base.json")
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
                                    resume_step=start if latest is not None else None,
                                    enabled=main_process)
-  tb = tensorboard.SummaryWriter(os.path.join(workdir, "tb"), purge_step=start or None) if (
-      main_process) else None
-  if latest is None or not os.path.exists(base_eval_path):
-    base_eval = evaluator(state.params)
-    base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
-    if main_process:
-      ckpt_lib.save_json(base_eval_path, base_eval)
-    if latest is None:
-      writer.write(0, base_eval)
-      if tb:
-        tb.scalars(0, base_eval)
-  else:
-    with open(base_eval_path) as f:
-      base_eval = json.load(f)
-  log("[rlx] before RL: " + _fmt_eval(base_eval, band))
-
-  pool = shd.put(exp.train_pool, fns.pool_sharding)
-  max_skips = int(config.get("guard", {}).get("max_consecutive_skips", 3))
-  updates_per_step = setup.step_cfg.num_updates * setup.step_cfg.num_minibatches
-  bar = metrics_lib.progress(config.total_steps, initial=start, disable=not show_progress)
-  last_eval = base_eval if start == 0 else {}
-  gen_times, upd_times, tok_rates = [], [], []
-  skipped_in_a_row = 0
-  done = start
+  tb = None
+  bar = None
   try:
-    with _SignalFlag() as stop:
-      for step in range(start, config.total_steps):
-        t0 = time.perf_counter()
-        if host_reward is not None:
-          state, batch = fns.generate(state, pool)
-          rewards = _host_rewards(batch, exp, host_reward, mesh)
-          _fault("kill_after_rollout", step + 1)
-          t1 = time.perf_counter()
-          state, m = fns.score_update(state, batch, rewards)
-          m = jax.device_get(m)
-          t_gen, t_upd = t1 - t0, time.perf_counter() - t1
-        elif config.fused_step:
-          state, m = fns.train_step(state, pool)
-          m = jax.device_get(m)
-          t_gen, t_upd = time.perf_counter() - t0, 0.0
-        else:
-          state, batch = fns.rollout(state, pool)
-          jax.block_until_ready(batch)
-          _fault("kill_after_rollout", step + 1)
-          t1 = time.perf_counter()
-          state, m = fns.update(state, batch)
-          m = jax.device_get(m)
-          t_gen, t_upd = t1 - t0, time.perf_counter() - t1
-        m = {k: float(v) for k, v in m.items()}
-        _check_rewards(m, exp, config)
-        m["time/generate_s"] = t_gen
-        m["time/update_s"] = t_upd
-        m["time/step_s"] = t_gen + t_upd
-        m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
-        if step > start:  # the first step of a process includes compilation
-          gen_times.append(t_gen)
-          upd_times.append(t_upd)
-          tok_rates.append(m["ledger/generated_tokens_per_s"])
-        done = step + 1
-        skipped_in_a_row = (skipped_in_a_row + 1
-                            if m["guard/skipped_updates"] >= updates_per_step else 0)
-        if done % config.eval_every == 0 or done == config.total_steps:
-          last_eval = evaluator(state.params)
-          last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
-          m.update(last_eval)
-        writer.write(done, m)
+    tb = tensorboard.SummaryWriter(os.path.join(workdir, "tb"), purge_step=start or None) if (
+        main_process) else None
+    if latest is None or not os.path.exists(base_eval_path):
+      base_eval = evaluator(state.params)
+      base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
+      if main_process:
+        ckpt_lib.save_json(base_eval_path, base_eval)
+      if latest is None:
+        writer.write(0, base_eval)
         if tb:
-          tb.scalars(done, m)
-        bar.update(1)
-        bar.set_postfix({**metrics_lib.postfix(m), **(
-            {"eval": f"{last_eval['eval/band_accuracy']:.3f}"} if last_eval else {})})
-        if skipped_in_a_row >= max_skips:
-          raise NumericError(
-              f"{skipped_in_a_row} consecutive steps (up to step {done}) had a non-finite loss "
-              f"or gradient in every update and were skipped (config.guard."
-              f"max_consecutive_skips={max_skips}). Lower config.optim.lr, check the rewards, "
-              f"or resume from the last checkpoint in {ckpt.directory}.")
-        if stop.signum is not None:
-          ckpt.save(done, state, meta, force=True)
-          ckpt.wait()
-          raise Preempted(
-              f"stopped by {signal.Signals(stop.signum).name} after step {done}; checkpoint "
-              f"saved to {ckpt.directory}/{done}. Rerun the same command to resume.")
-        if done % config.checkpoint_every == 0 or done == config.total_steps:
-          ckpt.save(done, state, meta)
-          _fault("kill_in_save", done)
-  finally:
-    bar.close()
-    writer.close()
-    if tb:
-      tb.close()
-    ckpt.close()
+          tb.scalars(0, base_eval)
+    else:
+      base_eval = ckpt_lib.read_json(base_eval_path)
+    log("[rlx] before RL: " + _fmt_eval(base_eval, band))
+    # The run's record, written once the workdir is known to accept this config.
+    if main_process:
+      ckpt_lib.save_json(os.path.join(workdir, "config.json"), spec.record)
+
+    pool = shd.put(exp.train_pool, fns.pool_sharding)
+    max_skips = spec.guard.max_consecutive_skips
+    updates_per_step = setup.step_cfg.num_updates * setup.step_cfg.num_minibatches
+    bar = metrics_lib.progress(spec.total_steps, initial=start, disable=not show_progress)
+    last_eval = base_eval if start == 0 else {}
+    gen_times, upd_times, tok_rates = [], [], []
+    skipped_in_a_row = 0
+    done = start
+    stop.deferred = True
+    if stop.signum is not None:  # arrived just before the switch
+      raise _Stop(stop.signum)
+    for step in range(start, spec.total_steps):
+      t0 = time.perf_counter()
+      if host_reward is not None:
+        rng_before = state.rng  # `generate` changes only the RNG: the step can be undone
+        rng_host = np.asarray(jax.device_get(rng_before))
+        state, batch = fns.generate(state, pool)
+        rewards = _call_host_reward(
+            lambda: _host_rewards(batch, exp, host_reward, mesh), name=reward_name,
+            timeout_s=spec.task.reward_timeout_s, stop=stop)
+        if rewards is None:  # SIGTERM while the reward ran: save the last finished step
+          state = state.replace(rng=shd.put(rng_host, fns.state_sharding.rng))
+          _preempt(saver, done, state, meta, stop)
+        _fault("kill_after_rollout", step + 1)
+        t1 = time.perf_counter()
+        state, m = fns.score_update(state, batch, rewards)
+        m = jax.device_get(m)
+        t_gen, t_upd = t1 - t0, time.perf_counter() - t1
+      elif spec.fused_step:
+        state, m = fns.train_step(state, pool)
+        m = jax.device_get(m)
+        t_gen, t_upd = time.perf_counter() - t0, 0.0
+      else:
+        state, batch = fns.rollout(state, pool)
+        jax.block_until_ready(batch)
+        _fault("kill_after_rollout", step + 1)
+        t1 = time.perf_counter()
+        state, m = fns.update(state, batch)
+        m = jax.device_get(m)
+        t_gen, t_upd = t1 - t0, time.perf_counter() - t1
+      m = {k: float(v) for k, v in m.items()}
+      _check_rewards(m, exp, spec)
+      m["time/generate_s"] = t_gen
+      m["time/update_s"] = t_upd
+      m["time/step_s"] = t_gen + t_upd
+      m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
+      if step > start:  # the first step of a process includes compilation
+        gen_times.append(t_gen)
+        upd_times.append(t_upd)
+        tok_rates.append(m["ledger/generated_tokens_per_s"])
+      done = step + 1
+      skipped_in_a_row = (skipped_in_a_row + 1
+                          if m["guard/skipped_updates"] >= updates_per_step else 0)
+      if done % spec.eval_every == 0 or done == spec.total_steps:
+        last_eval = evaluator(state.params)
+        last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
+        m.update(last_eval)
+      writer.write(done, m)
+      if tb:
+        tb.scalars(done, m)
+      bar.update(1)
+      bar.set_postfix({**metrics_lib.postfix(m), **(
+          {"eval": f"{last_eval['eval/band_accuracy']:.3f}"} if last_eval else {})})
+      if skipped_in_a_row >= max_skips:
+        raise NumericError(
+            f"{skipped_in_a_row} consecutive steps (up to step {done}) had a non-finite loss "
+            f"or gradient in every update and were skipped (config.guard."
+            f"max_consecutive_skips={max_skips}). Lower config.optim.lr, check the rewards, "
+            f"or resume from the last checkpoint in {ckpt.directory}.")
+      if stop.signum is not None:
+        _preempt(saver, done, state, meta, stop)
+      if done % spec.checkpoint.every == 0 or done == spec.total_steps:
+        saver.save(done, state, meta)
+        _fault("kill_in_save", done)
+    stop.deferred = False
+    saver.close()
+  except BaseException:
+    stop.deferred = False
+    # Close quietly: the error being raised is the one to report (a full disk also fails the
+    # metric writers, whose errors would otherwise replace it).
+    for closer in (getattr(bar, "close", None), writer.close, getattr(tb, "close", None),
+                   ckpt.close):
+      if closer is not None:
+        with contextlib.suppress(Exception):
+          closer()
+    raise
+  for closer in (bar.close, writer.close, getattr(tb, "close", None)):
+    if closer is not None:
+      closer()
 
   final = last_eval if last_eval else evaluator(state.params)
   if "eval/band_accuracy" not in final:
@@ -348,7 +553,7 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
   gain = 100 * (final["eval/band_accuracy"] - base_eval["eval/band_accuracy"])
   log(f"[rlx] held-out greedy accuracy on the band (levels {band}): "
       f"{100 * base_eval['eval/band_accuracy']:.1f}% -> {100 * final['eval/band_accuracy']:.1f}%"
-      f" ({gain:+.1f} points) after {config.total_steps} RL steps")
+      f" ({gain:+.1f} points) after {spec.total_steps} RL steps")
   if gen_times:
     log(f"[rlx] median step: generation {np.median(gen_times):.3f}s, update "
         f"{np.median(upd_times):.3f}s, {np.median(tok_rates):.0f} generated tokens/s")
@@ -356,6 +561,20 @@ def run(config: mlc.ConfigDict, workdir: str, *, log: Callable[[str], None] = pr
           "median_generate_s": float(np.median(gen_times)) if gen_times else None,
           "median_update_s": float(np.median(upd_times)) if upd_times else None,
           "state": state}
+
+
+def _eval_progress_kw(show_progress: bool) -> dict[str, Any]:
+  import inspect  # pylint: disable=g-import-not-at-top
+  params = inspect.signature(evaluate.Evaluator.__init__).parameters
+  return {"show_progress": show_progress} if "show_progress" in params else {}
+
+
+def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):
+  """Saves step `done` (waiting until it is complete on disk), then raises Preempted."""
+  saver.save(done, state, meta, force=True, wait=True)
+  raise Preempted(
+      f"stopped by {signal.Signals(stop.signum).name} after step {done}; checkpoint "
+      f"saved to {saver.ckpt.directory}/{done}. Rerun the same command to resume.")
 
 
 def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
@@ -371,14 +590,15 @@ def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
   return shd.put(np.asarray(values, np.float32), shd.batch_sharding(mesh, 1))
 
 
-def _check_rewards(m: dict[str, float], exp: experiment.Experiment, config) -> None:
+def _check_rewards(m: dict[str, float], exp: experiment.Experiment,
+                   spec: configs.RunSpec) -> None:
   if m.get("reward/invalid_count", 0) > 0:
     pid = int(m["reward/first_invalid_prompt"])
-    lo, hi = config.get("guard", {}).get("reward_range", (-10.0, 10.0))
+    lo, hi = spec.guard.reward_range
     raise NumericError(
-        f"task {config.task.name!r}: reward {m['reward/first_invalid_value']} for train "
-        f"example {pid} (prompt {exp.train_host.prompts[pid]!r}) is non-finite or outside "
-        f"[{lo}, {hi}] ({int(m['reward/invalid_count'])} such rollouts in this step).")
+        f"task {spec.task.name!r}: reward {m['reward/first_invalid_value']} for train "
+        f"example {pid} (prompt {exp.train_host.prompts[pid]!r:.120}) is non-finite or "
+        f"outside [{lo}, {hi}] ({int(m['reward/invalid_count'])} such rollouts in this step).")
 
 
 def _fmt_eval(m: dict[str, float], band) -> str:

@@ -61,6 +61,14 @@ def corrupt_checkpoint(wd):
       _garbage(os.path.join(root, f))
 
 
+def corrupt_eval_base(wd):
+  (wd / "eval_base.json").write_text('{"eval/accuracy": 0.5,')
+
+
+def corrupt_base_meta(wd):
+  (wd / "base" / "rlx_base.json").write_bytes(b"\xff\xfe not json")
+
+
 def foreign_checkpoint(wd):
   # What another tool might leave: an orbax checkpoint of some other pytree, newer step.
   import orbax.checkpoint as ocp
@@ -117,7 +125,47 @@ CASES = [
      r"config.task.manual_dir"),
     ("reward_out_of_range", {"guard.reward_range": (2.0, 3.0)}, None, trainer.NumericError,
      r"task 'arithmetic': reward 0.0 for train example \d+ .* outside \[2.0, 3.0\]"),
+    # Nonsense values, refused before anything runs.
+    ("keep_checkpoints_negative", {"keep_checkpoints": -1}, None, configs.ConfigError,
+     r"config.keep_checkpoints=-1; expected an integer >= 0"),
+    ("negative_lr", {"optim.lr": -1e-3}, None, configs.ConfigError,
+     r"config.optim.lr=-0.001; expected 0 < lr"),
+    ("negative_warmup", {"optim.warmup_steps": -5}, None, configs.ConfigError,
+     r"config.optim.warmup_steps=-5; expected an integer >= 0"),
+    ("b2_above_one", {"optim.b2": 1.5}, None, configs.ConfigError,
+     r"config.optim.b2=1.5; expected 0 <= b2 < 1"),
+    ("negative_grad_clip", {"optim.grad_clip": -1.0}, None, configs.ConfigError,
+     r"config.optim.grad_clip=-1.0; expected grad_clip >= 0 \(0: no clipping\)"),
+    ("teacher_error_rate_above_one", {"task.teacher_error_rate": 1.5}, None,
+     configs.ConfigError, r"config.task.teacher_error_rate=1.5; expected 0 <= "
+     r"teacher_error_rate <= 1"),
+    ("sft_batch_size_zero", {"sft.batch_size": 0}, None, configs.ConfigError,
+     r"config.sft.batch_size=0; expected an integer >= 1"),
+    ("reversed_reward_range", {"guard.reward_range": (1.0, 0.0)}, None, configs.ConfigError,
+     r"config.guard.reward_range=\(1.0, 0.0\) is empty; expected \(low, high\) with low <= "
+     r"high"),
+    ("zero_max_consecutive_skips", {"guard.max_consecutive_skips": 0}, None,
+     configs.ConfigError, r"config.guard.max_consecutive_skips=0; expected an integer >= 1"),
+    ("huge_max_new_tokens", {"sampler.max_new_tokens": 10 ** 9}, None, configs.ConfigError,
+     r"config.sampler.max_new_tokens=1000000000; expected an integer in \[1, 1048576\]"),
+    # A resume whose settings change the saved state's layout: say what differs (README
+    # quickstart: the second command once reused the first one's workdir).
+    ("changed_grad_clip_on_resume", {"optim.grad_clip": 0.0}, None, checkpoint.CheckpointError,
+     r"made with other settings \(optim.grad_clip: checkpoint 1.0, now 0.0\).* pass a new "
+     r"--workdir to start a new run"),
+    ("replay_enabled_on_resume", {"replay.enabled": True, "replay.capacity": 32,
+                                  "replay.num_samples": 8}, None, checkpoint.CheckpointError,
+     r"made with other settings \(.*replay.enabled: checkpoint False, now True.*\).* pass a "
+     r"new --workdir to start a new run"),
+    ("corrupt_eval_base_json", {}, corrupt_eval_base, checkpoint.CheckpointError,
+     r".*eval_base.json is not valid JSON \(line 1 column \d+"),
+    ("corrupt_base_meta_json", {}, corrupt_base_meta, checkpoint.CheckpointError,
+     r".*base/rlx_base.json is not UTF-8 text"),
 ]
+
+
+# Cases whose config was accepted (the run resumed) and that failed later, in a step.
+RESUMED = {"reward_function_raises", "reward_out_of_range"}
 
 
 @pytest.mark.parametrize("name, overrides, prepare, error, message", CASES,
@@ -129,11 +177,14 @@ def test_bad_input_has_one_clear_message(run_dir, tmp_path, name, overrides, pre
   if prepare:
     prepare(wd)
   before = _digest(wd / "checkpoints")
+  record = (wd / "config.json").read_bytes()
   cfg = runlocal_config(**{"total_steps": 4, "mesh.data": 1, **overrides})
   with pytest.raises(error, match=message) as info:
     trainer.run(cfg, str(wd), log=lambda s: None, show_progress=False, **ONE)
   assert "\n" not in str(info.value).strip()  # one message, one line
   assert _digest(wd / "checkpoints") == before, f"{name} changed the checkpoints"
+  if name not in RESUMED:  # a rejected config leaves the run's record alone
+    assert (wd / "config.json").read_bytes() == record, f"{name} rewrote the run's config.json"
 
 
 def test_batch_not_divisible_by_the_data_axis(tmp_path):

@@ -114,7 +114,7 @@ def test_kl_adds_reference_params_and_paged_adds_a_pool():
 
 
 def test_an_impossible_capacity_raises_with_the_numbers():
-  config = _config(**{"memory": mlc.ConfigDict({"device_bytes": 1024})})
+  config = _config(**{"memory.device_bytes": 1024})
   p = memory.plan(config, _model(config), {"data": 1})
   assert p.capacity_bytes == 1024 and not p.fits
   with pytest.raises(configs.ConfigError) as e:
@@ -149,3 +149,17 @@ def test_qwen25_15b_shape_file():
                                                        "qwen2.5-1.5b")))
   assert cfg.qkv_bias and cfg.tie_embeddings and cfg.num_kv_heads == 2
   assert 1.53e9 < cfg.num_params() < 1.55e9
+
+
+def test_the_kv_pool_line_follows_the_sampler_settings():
+  # The plan once read a config section that does not exist and sized the pool from defaults.
+  cfg = _model(_config())
+  small = memory.plan(_config(**{"sampler.num_pages": 40}), cfg, {"data": 1})
+  large = memory.plan(_config(**{"sampler.num_pages": 400}), cfg, {"data": 1})
+  assert large.item("sampler KV pool (paged)").bytes == 10 * small.item(
+      "sampler KV pool (paged)").bytes
+  page32 = memory.plan(_config(**{"sampler.num_pages": 40, "sampler.page_size": 32}), cfg,
+                       {"data": 1})
+  assert page32.item("sampler KV pool (paged)").bytes == 2 * small.item(
+      "sampler KV pool (paged)").bytes
+  assert "config.sampler.num_pages" in small.item("sampler KV pool (paged)").hint

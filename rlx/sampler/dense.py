@@ -15,7 +15,8 @@ from flax import struct
 
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
-from rlx.sampler.sampling import Rollout, SamplingParams, is_stop, sample_tokens, step_keys
+from rlx.sampler.sampling import (Rollout, SamplingParams, is_stop, prompt_positions,
+                                  sample_tokens, step_keys)
 
 
 @struct.dataclass
@@ -49,14 +50,6 @@ class DenseKVCache:
     allowed = transformer.attention_mask(q_pos_BxT, self.key_pos, spec.window)
     out = transformer.dot_attention(q_BxTxHxD, k_all[layer], v_all[layer], allowed, spec)
     return out, self.replace(k=k_all, v=v_all)
-
-
-def prompt_positions(prompt_lens_B, prompt_width: int):
-  """Positions and validity of left-padded prompts [B, P]."""
-  idx = jnp.arange(prompt_width)[None, :]
-  offset = prompt_width - prompt_lens_B[:, None]
-  valid = idx >= offset
-  return jnp.where(valid, idx - offset, 0).astype(jnp.int32), valid
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params_cfg"))

@@ -62,8 +62,8 @@ from rlx import kernels
 from rlx import sharding as shd
 from rlx.model import transformer
 from rlx.sampler import allocator as alloc_lib
-from rlx.sampler.dense import prompt_positions
-from rlx.sampler.sampling import Rollout, SamplingParams, is_stop, sample_tokens
+from rlx.sampler.sampling import (Rollout, SamplingParams, is_stop, prompt_positions,
+                                  sample_tokens)
 
 ATTENTION_IMPLS = ("reference", "pallas", "interpret")
 INTERPRET_FLAVOURS = ("auto", "tpu", "gpu")

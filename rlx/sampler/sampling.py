@@ -147,3 +147,11 @@ def is_stop(tokens_B, params: SamplingParams):
 def step_keys(keys_B, step):
   """Per-sequence, per-step keys: a sequence's draws depend only on its own key and step."""
   return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, step)
+
+
+def prompt_positions(prompt_lens_B, prompt_width: int):
+  """Positions and validity of left-padded prompts [B, P]."""
+  idx = jnp.arange(prompt_width)[None, :]
+  offset = prompt_width - prompt_lens_B[:, None]
+  valid = idx >= offset
+  return jnp.where(valid, idx - offset, 0).astype(jnp.int32), valid
