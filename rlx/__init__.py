@@ -11,7 +11,7 @@ cheap and `rlx.kernels` can be imported without the trainer's dependencies:
   rlx.run(config, workdir)             train (resumes from the workdir's last checkpoint)
   rlx.build(config, workdir)           everything before the first step (for benchmarks)
   rlx.dry_run(config, workdir)         the per-device memory plan, without compiling
-  rlx.read_metrics(workdir)            metrics.jsonl as a list of dicts
+  rlx.read_metrics(workdir)            metrics.jsonl as one dict per step (workdir or file)
   rlx.read_checkpoint(workdir, step)   a saved TrainState as numpy arrays
   rlx.load_hf / rlx.save_hf            Hugging Face safetensors in and out
   rlx.init_params(model_cfg, seed)     (graphdef, params) of a fresh model
@@ -20,6 +20,8 @@ cheap and `rlx.kernels` can be imported without the trainer's dependencies:
   rlx.generate_dense / generate_paged  the samplers (same Rollout output)
   rlx.SamplingParams, rlx.PagedConfig, rlx.ModelConfig
   rlx.make_report(workdir)             PNG plots + summary (python -m rlx.report)
+  rlx.export(workdir, out_dir)         a trained policy as a Hugging Face directory
+                                       (python -m rlx.export WORKDIR OUT_DIR [--step N])
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _EXPORTS = {
     "graphdef_for": ("rlx.model.transformer", "graphdef_for"),
     "build": ("rlx.trainer", "build"),
     "dry_run": ("rlx.trainer", "dry_run"),
-    "read_metrics": ("rlx.metrics", "read_jsonl_workdir"),
+    "read_metrics": ("rlx.metrics", "read_metrics"),
     "read_checkpoint": ("rlx.checkpoint", "read_arrays"),
     "load_hf": ("rlx.model.hf", "load_hf"),
     "save_hf": ("rlx.model.hf", "save_hf"),
@@ -48,6 +50,7 @@ _EXPORTS = {
     "PagedConfig": ("rlx.sampler.paged", "PagedConfig"),
     "ModelConfig": ("rlx.model.config", "ModelConfig"),
     "make_report": ("rlx.report", "make_report"),
+    "export": ("rlx.export", "export"),
 }
 
 __all__ = sorted(_EXPORTS) + ["load_config", "__version__"]

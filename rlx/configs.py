@@ -578,6 +578,9 @@ def defaults() -> mlc.ConfigDict:
   c.length.overlong_buffer = 2
   c.length.overlong_penalty = 1.0
   c.length.overlong_filter = False
+  # Kimi k1.5 group-relative length reward (rlx.rl.length): shorter correct answers in a group
+  # gain up to +0.5 x this, longer ones lose up to -0.5 x this; wrong answers never gain.
+  c.length.length_reward = 0.0
 
   c.sampler = mlc.ConfigDict()
   c.sampler.impl = "paged"  # paged (default) | dense (the reference oracle)

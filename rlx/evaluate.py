@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +22,15 @@ class Evaluator:
 
   Scored by the task's jnp verifier, or by `host_reward` (a checked Python reward, see
   rlx.rewards) given the decoded completions, `host` examples and `tokenizer`.
+  `show_progress` draws a progress bar over the batches on stderr (long evaluations);
+  `check_stop` is called before each batch (it raises to abandon the evaluation).
   """
 
   def __init__(self, graphdef, pool: PromptPool, sp: SamplingParams, batch_size: int,
-               mesh: Mesh, *, host_reward=None, host=None, tokenizer=None):
+               mesh: Mesh, *, host_reward=None, host=None, tokenizer=None,
+               show_progress: bool = False, check_stop=None):
+    self.show_progress = show_progress
+    self.check_stop = check_stop
     self.host_reward = host_reward
     self.host = host
     self.tokenizer = tokenizer
@@ -52,14 +58,23 @@ class Evaluator:
     self._graphdef = graphdef
 
   def scores(self, params) -> np.ndarray:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
     out = []
     p = self.pool
     bs = self.batch_size
-    for i in range(0, p.prompts.shape[0], bs):
-      sl = slice(i, i + bs)
-      args = [shd.put(x[sl], shd.batch_sharding(self.mesh, x.ndim))
-              for x in (p.prompts, p.prompt_lens, p.answers, p.answer_lens)]
-      out.append(self._run(params, *args))
+    num_batches = p.prompts.shape[0] // bs
+    with tqdm(total=num_batches, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
+              file=sys.stderr, disable=not self.show_progress) as bar:
+      for i in range(0, p.prompts.shape[0], bs):
+        if self.check_stop is not None:
+          self.check_stop()
+        sl = slice(i, i + bs)
+        args = [shd.put(x[sl], shd.batch_sharding(self.mesh, x.ndim))
+                for x in (p.prompts, p.prompt_lens, p.answers, p.answer_lens)]
+        out.append(self._run(params, *args))
+        if self.show_progress:  # count finished batches, not dispatched ones
+          jax.block_until_ready(out[-1])
+        bar.update(1)
     if self.host_reward is None:
       return np.concatenate([distributed.to_host(x) for x in out])[:self.n]
     tokens = np.concatenate([distributed.to_host(t) for t, _ in out])[:self.n]

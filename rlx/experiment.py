@@ -87,7 +87,7 @@ def data_dir_of(spec: configs.RunSpec, workdir: str) -> str:
 
 
 def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = False,
-          show_progress: bool = True) -> Experiment:
+          show_progress: bool = True, check_stop=None) -> Experiment:
   """Everything the trainer needs, built (or read from cache) on the host.
 
   resuming: the workdir holds checkpoints; its cached base model must then match the config
@@ -99,7 +99,7 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
   # then read it.
   chosen, source = distributed.main_first(
       lambda: _prepare(spec, workdir, log=log, resuming=resuming,
-                       show_progress=show_progress), "rlx_prepare")
+                       show_progress=show_progress, check_stop=check_stop), "rlx_prepare")
   task = spec.task
   train_ex, eval_ex = load_task(task, data_dir_of(spec, workdir))
   model_path = spec.model.path
@@ -169,7 +169,7 @@ def prompt_formatter(spec: configs.RunSpec, tokenizer):
 
 
 def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
-             show_progress: bool) -> tuple[str | None, str]:
+             show_progress: bool, check_stop=None) -> tuple[str | None, str]:
   """Prepares the data and picks (or trains) the base model; returns (base dir, source)."""
   train_ex, eval_ex = load_task(spec.task, data_dir_of(spec, workdir))
   if not train_ex or not eval_ex:
@@ -213,7 +213,7 @@ def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
       log(f"[rlx] supervised warm start: {spec.sft.steps} steps on the task's teacher "
           f"answers (cached in {base_dir})")
       params = sft.train(spec.sft, spec.seed, model_cfg, tokenizer, train_ex,
-                         show_progress=show_progress)
+                         show_progress=show_progress, check_stop=check_stop)
       warm_start.save_base(base_dir, spec, model_cfg, params, tokenizer,
                            extra={"sft_seconds": round(time.time() - t0, 1)})
       chosen = base_dir

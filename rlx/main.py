@@ -3,19 +3,47 @@ r"""rlx command line: train an experiment config.
   python -m rlx.main --config=experiments/arith.py --workdir=/tmp/rlx_arith
   python -m rlx.main --config=experiments/arith.py:runlocal --workdir=/tmp/rlx_local \
       --config.rl.group_size=8
+  python -m rlx.main --config=arith:runlocal --workdir=/tmp/rlx_local   # a shipped experiment
 
-A mistake in a config or a flag exits at once with one line `rlx: error: ...` (status 2);
-SIGTERM / SIGINT checkpoint the current step and exit with status 75 (rerun to resume).
+--config takes a config file or the name of an experiment shipped with rlx (rlx.experiments),
+which works from any directory. A mistake in a config or a flag exits at once with one line
+`rlx: error: ...` (status 2); SIGTERM / SIGINT checkpoint the current step and exit with status
+75 (rerun to resume); a Ctrl-C before the first step (or a second one) exits with status 130.
 """
 
+import importlib.util
+import logging
 import os
+import pkgutil
 import re
+import signal
 import sys
+import threading
 
+# Exit status after a Ctrl-C that stopped the run without a checkpoint (128 + SIGINT).
+INTERRUPTED_EXIT = 130
+
+
+def _interrupted_while_loading(signum, frame):
+  del signum, frame
+  print("rlx: interrupted (Ctrl-C) while loading.", file=sys.stderr, flush=True)
+  os._exit(INTERRUPTED_EXIT)  # pylint: disable=protected-access
+
+
+if __name__ == "__main__":  # a Ctrl-C while JAX loads (seconds) is not a traceback either
+  signal.signal(signal.SIGINT, _interrupted_while_loading)
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlx import checkpoint, configs, distributed, trainer
+from rlx import checkpoint, configs, distributed, metrics, trainer
+# pylint: enable=g-import-not-at-top,wrong-import-position
+
+# JAX logs each accelerator platform it probes and does not find ("Unable to initialize backend
+# 'tpu'") at INFO, which absl prints and which reads like an error on every CPU run. Its
+# warnings (e.g. "a GPU may be present, but ... falling back to cpu") and errors still show.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -36,7 +64,7 @@ PREEMPTED_EXIT = 75
 
 # Raised for bad configs, data, checkpoints or paths; each carries a one-line explanation.
 USER_ERRORS = (configs.ConfigError, checkpoint.CheckpointError, FileNotFoundError,
-               PermissionError, ValueError)
+               IsADirectoryError, NotADirectoryError, PermissionError, ValueError)
 
 
 def fail(message: str):
@@ -44,7 +72,110 @@ def fail(message: str):
   sys.exit(2)
 
 
+def shipped_experiments() -> list[str]:
+  """Names of the experiment configs shipped as rlx.experiments (those with get_config)."""
+  spec = importlib.util.find_spec("rlx.experiments")
+  names = []
+  for m in pkgutil.iter_modules(spec.submodule_search_locations if spec else []):
+    origin = os.path.join(os.path.dirname(spec.origin), m.name + ".py")
+    try:
+      with open(origin, encoding="utf-8") as f:
+        if "\ndef get_config(" in f.read():
+          names.append(m.name)
+    except OSError:
+      continue
+  return sorted(names)
+
+
+def _shipped_path(name: str) -> str | None:
+  """The file of shipped experiment `name`, or None if `name` is not one."""
+  if not name.isidentifier():
+    return None
+  try:
+    spec = importlib.util.find_spec(f"rlx.experiments.{name}")
+  except (ImportError, ValueError):
+    return None
+  return spec.origin if spec is not None and spec.origin else None
+
+
+def _config_flag(argv: list[str]) -> tuple[int, str] | None:
+  """(index in argv, value) of --config=VALUE or --config VALUE (the last one wins)."""
+  found = None
+  for i, a in enumerate(argv[1:], start=1):
+    if a == "--":
+      break
+    if a.startswith(("--config=", "-config=")):
+      found = (i, a.split("=", 1)[1])
+    elif a in ("--config", "-config") and i + 1 < len(argv):
+      found = (i + 1, argv[i + 1])
+  return found
+
+
+def resolve_config(argv: list[str]) -> list[str]:
+  """argv with --config=NAME[:arg] of a shipped experiment rewritten to its file path.
+
+  Exits with one line if the config file does not exist or fails to load.
+  """
+  found = _config_flag(argv)
+  if found is None:
+    return argv  # absl reports the missing required flag
+  i, value = found
+  path, sep, arg = value.partition(":")
+  given = path
+  if (path and not os.path.exists(path) and os.sep not in path and "/" not in path
+      and not path.endswith(".py")):
+    shipped = _shipped_path(path)
+    if shipped:
+      path = shipped
+      argv = list(argv)
+      argv[i] = argv[i][:len(argv[i]) - len(value)] + path + sep + arg
+  if not os.path.isfile(path):
+    names = ", ".join(shipped_experiments()) or "none found"
+    what = "is not a file" if os.path.exists(path) else "does not exist"
+    fail(f"config file {path!r} {what}; pass a path or a shipped experiment name ({names})")
+  _check_config_loads(path, arg, given)
+  return argv
+
+
+def _check_config_loads(path: str, arg: str, given: str) -> None:
+  """Runs the config file's get_config(arg) once, so any failure is one line, not a traceback."""
+  try:
+    spec = importlib.util.spec_from_file_location("rlx_config_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+      fail(f"config file {given!r} defines no get_config(arg); expected an experiment config "
+           f"like experiments/arith.py.")
+    module.get_config(arg)
+  except Exception as e:  # pylint: disable=broad-except
+    if os.environ.get("RLX_TRACEBACK"):
+      raise
+    if isinstance(e, (configs.ConfigError, ValueError)):
+      fail(f"config {given!r}: {e}")
+    fail(f"config file {given!r} failed to load: {type(e).__name__}: {e} (set RLX_TRACEBACK=1 "
+         f"for the traceback)")
+
+
+def _redeliver_lost_signals(unraisable):
+  """A Ctrl-C (or the trainer's stop on a signal) raised inside a garbage-collector callback,
+  e.g. JAX's, cannot propagate: Python would print a traceback and drop it. Send the signal
+  again instead, so it stops the run as it should."""
+  exc = unraisable.exc_value
+  if isinstance(exc, KeyboardInterrupt):
+    signum = signal.SIGINT
+  elif not isinstance(exc, Exception) and isinstance(getattr(exc, "signum", None), int):
+    signum = exc.signum
+  else:
+    sys.__unraisablehook__(unraisable)
+    return
+  # A moment later, so that the handler runs once this hook and the callback have returned.
+  timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+  timer.daemon = True
+  timer.start()
+
+
 def parse_flags(argv):
+  argv = resolve_config(argv)
   try:
     return flags.FLAGS(argv)
   except AttributeError as e:  # ml_collections: an unknown key, often with "Did you mean"
@@ -78,14 +209,40 @@ def main(argv):
     trainer.run(_CONFIG.value, _WORKDIR.value)
   except trainer.Preempted as e:
     print(f"rlx: {e}", file=sys.stderr)
-    sys.exit(PREEMPTED_EXIT)
+    exit_now(PREEMPTED_EXIT)
   except trainer.NumericError as e:
     fail(str(e))
   except USER_ERRORS as e:
     if os.environ.get("RLX_TRACEBACK"):
       raise
     fail(f"{e} (set RLX_TRACEBACK=1 for the traceback)")
+  except KeyboardInterrupt:
+    interrupted()
+
+
+def interrupted():
+  print("rlx: interrupted (Ctrl-C); rerun the same command to resume from the last checkpoint, "
+        "if one was saved.", file=sys.stderr)
+  exit_now(INTERRUPTED_EXIT)
+
+
+def exit_now(status: int):
+  """sys.exit(status); another Ctrl-C while Python shuts down exits at once, without a trace."""
+
+  def _quit(signum, frame):
+    del signum, frame
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
+
+  signal.signal(signal.SIGINT, _quit)
+  sys.exit(status)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on
+  metrics.show_warnings_as("rlx")
+  sys.unraisablehook = _redeliver_lost_signals
+  try:
+    app.run(main, flags_parser=parse_flags)
+  except KeyboardInterrupt:  # during flag parsing or absl's setup
+    interrupted()

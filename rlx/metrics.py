@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -21,44 +22,47 @@ def _plain(v):
   return v
 
 
+class MetricsWarning(UserWarning):
+  """A metrics.jsonl had unreadable lines (skipped, and quarantined when rewritten)."""
+
+
 class JsonlWriter:
   """Appends one JSON object per line to WORKDIR/metrics.jsonl.
 
   On resume from step k, lines with step > k are dropped first: the resumed run writes them
-  again, so the file always reads as one uninterrupted run.
+  again, so the file always reads as one uninterrupted run. Unreadable lines (a torn last line
+  after a crash, or damage in the middle) are moved to metrics.jsonl.corrupt with a warning;
+  every readable line is kept.
   """
 
   def __init__(self, path: str, resume_step: int | None = None, enabled: bool = True):
-    self.path = path
+    self.path = os.fspath(path)
     self.enabled = enabled
     if not enabled:  # non-zero processes of a multi-process run write nothing
       self._f = None
       return
+    path = self.path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if os.path.exists(path):
-      if resume_step is None:
+    _check_not_dir(path)
+    try:
+      if os.path.exists(path):
         kept = []
-      else:
-        kept = [l for l in self._read_lines() if l.get("step", 0) <= resume_step]
-      tmp = path + ".tmp"
-      with open(tmp, "w") as f:
-        for l in kept:
-          f.write(json.dumps(l) + "\n")
-      os.replace(tmp, path)
-    self._f = open(path, "a", buffering=1)
-
-  def _read_lines(self) -> list[dict]:
-    out = []
-    with open(self.path) as f:
-      for line in f:
-        line = line.strip()
-        if not line:
-          continue
-        try:
-          out.append(json.loads(line))
-        except json.JSONDecodeError:
-          break  # a torn last line from a crash
-    return out
+        if resume_step is not None:
+          rows, bad = _parse(path)
+          kept = [r for r in rows if r["step"] <= resume_step]
+          if bad:
+            _warn_unreadable(path, bad, moved_to=_quarantine(path, bad))
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+          for r in kept:
+            f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+      self._f = open(path, "a", buffering=1, encoding="utf-8")
+    except (IsADirectoryError, PermissionError):
+      raise
+    except OSError as e:
+      raise ValueError(f"Cannot write metrics to {path} ({e.strerror or e}); expected a "
+                       f"writable file in the workdir.") from None
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if self._f is None:
@@ -71,9 +75,96 @@ class JsonlWriter:
       self._f.close()
 
 
-def read_jsonl(path: str) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(l) for l in f if l.strip()]
+def _check_not_dir(path: str) -> None:
+  if os.path.isdir(path):
+    raise IsADirectoryError(f"{path} is a directory; expected the metrics.jsonl file of an rlx "
+                            f"run (move the directory away).")
+
+
+def _step_of(row: Any) -> int | None:
+  if not isinstance(row, dict):
+    return None
+  s = row.get("step")
+  if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+    return None
+  return int(s)
+
+
+def _parse(path: str) -> tuple[list[dict], list[tuple[int, bytes]]]:
+  """(rows in file order, [(line number, raw line)] of unreadable ones) of a metrics.jsonl.
+
+  A line is unreadable if it is not a JSON object with a numeric "step".
+  """
+  rows, bad = [], []
+  with open(path, "rb") as f:
+    for number, raw in enumerate(f, start=1):
+      if not raw.strip():
+        continue
+      try:
+        row = json.loads(raw)
+      except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        row = None
+      step = _step_of(row)
+      if step is None:
+        bad.append((number, raw if raw.endswith(b"\n") else raw + b"\n"))
+      else:
+        rows.append({**row, "step": step})
+  return rows, bad
+
+
+def _warn_unreadable(path: str, bad: list[tuple[int, bytes]], moved_to: str | None = None):
+  numbers = [n for n, _ in bad]
+  shown = ", ".join(map(str, numbers[:10])) + (", ..." if len(numbers) > 10 else "")
+  s = "s" if len(bad) > 1 else ""
+  where = f"; moved to {moved_to}" if moved_to else ""
+  warnings.warn(f"{path}: skipped {len(bad)} unreadable line{s} (line{s} {shown}){where}; the "
+                f"other lines are kept.", MetricsWarning, stacklevel=3)
+
+
+def _quarantine(path: str, bad: list[tuple[int, bytes]]) -> str:
+  """Appends unreadable lines to PATH.corrupt, so rewriting PATH loses nothing."""
+  with open(path + ".corrupt", "ab") as f:
+    for _, raw in bad:
+      f.write(raw)
+  return path + ".corrupt"
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+  """A run's metrics.jsonl as one dict per step, in step order.
+
+  path: the run's workdir or its metrics.jsonl. A later line for a step updates the earlier
+  one; unreadable lines (e.g. a torn last line after a crash) are skipped with one warning.
+  """
+  path = os.fspath(path)
+  if os.path.isdir(path) and os.path.basename(os.path.normpath(path)) != "metrics.jsonl":
+    path = os.path.join(path, "metrics.jsonl")
+  _check_not_dir(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist; expected the WORKDIR of an rlx run "
+                            f"(python -m rlx.main ... --workdir=WORKDIR) or its metrics.jsonl.")
+  rows, bad = _parse(path)
+  if bad:
+    _warn_unreadable(path, bad)
+  by_step: dict[int, dict] = {}
+  for row in rows:
+    by_step[row["step"]] = {**by_step.get(row["step"], {}), **row}
+  return [by_step[s] for s in sorted(by_step)]
+
+
+# Older name, kept for callers that pass the file.
+read_jsonl = read_metrics
+
+
+def show_warnings_as(prog: str) -> None:
+  """For command lines: a MetricsWarning prints as one line `PROG: warning: ...`."""
+  default = warnings.formatwarning
+
+  def format_warning(message, category, filename, lineno, line=None):
+    if issubclass(category, MetricsWarning):
+      return f"{prog}: warning: {message}\n"
+    return default(message, category, filename, lineno, line)
+
+  warnings.formatwarning = format_warning
 
 
 def progress(total: int, initial: int = 0, disable: bool = False):
@@ -95,11 +186,3 @@ def postfix(m: Mapping[str, Any]) -> dict[str, str]:
   if "ledger/zero_adv_group_frac" in m:
     out["zero_adv"] = f"{m['ledger/zero_adv_group_frac']:.2f}"
   return out
-
-
-def read_jsonl_workdir(workdir: str) -> list[dict]:
-  """WORKDIR/metrics.jsonl as a list of dicts (one per logged step)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist; expected the workdir of an rlx run.")
-  return read_jsonl(path)

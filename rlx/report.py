@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rlx.metrics import read_metrics, show_warnings_as
+
 PLOTS = ("reward", "accuracy", "response_length", "time", "tokens", "pass_rate")
 _ACC_KEY = re.compile(r"^eval/accuracy_d(\d+)$")
 _HIST_KEY = re.compile(r"^select/pass_rate_hist_(.+)$")
@@ -48,26 +50,6 @@ def _number(v: Any) -> float | None:
                                                   "-infinity"):
     return float(v)  # metrics.jsonl writes non-finite floats as strings
   return None
-
-
-def read_metrics(path: str) -> list[dict]:
-  """The lines of a metrics.jsonl, one dict per step (a later line for a step wins); a torn or
-  malformed line is skipped."""
-  by_step: dict[int, dict] = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if not isinstance(row, dict) or _number(row.get("step")) is None:
-        continue
-      step = int(row["step"])
-      by_step[step] = {**by_step.get(step, {}), **row, "step": step}
-  return [by_step[s] for s in sorted(by_step)]
 
 
 def _read_json(path: str) -> dict | None:
@@ -112,11 +94,7 @@ class Run:
 
 
 def load_run(workdir: str) -> Run:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist; expected the WORKDIR of an rlx run "
-                            f"(python -m rlx.main ... --workdir=WORKDIR).")
-  return Run(workdir=workdir, lines=read_metrics(path),
+  return Run(workdir=workdir, lines=read_metrics(os.path.join(workdir, "metrics.jsonl")),
              base_eval=_read_json(os.path.join(workdir, "eval_base.json")),
              config=_read_json(os.path.join(workdir, "config.json")))
 
@@ -510,9 +488,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("workdir", help="the --workdir of an rlx run")
   parser.add_argument("--out", default=None, help="where the PNGs go (default WORKDIR/report)")
   args = parser.parse_args(argv)
+  show_warnings_as("rlx.report")
   try:
     report = make_report(args.workdir, args.out)
-  except FileNotFoundError as e:
+  except OSError as e:  # a missing metrics.jsonl, or a directory in its place
     print(f"rlx.report: error: {e}", file=sys.stderr)
     return 2
   print(report.summary, end="")

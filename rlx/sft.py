@@ -87,8 +87,11 @@ def level_sampler(data: SFTData, weights: dict[int, float], seed: int):
 
 
 def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
-          show_progress: bool = True):
-  """Runs the supervised warm start `sft` (config.sft); returns host params."""
+          show_progress: bool = True, check_stop=None):
+  """Runs the supervised warm start `sft` (config.sft); returns host params.
+
+  check_stop: called before each step (it raises to abandon the warm start, e.g. on SIGTERM).
+  """
   from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
   c = sft
   weights = {k: v for k, v in c.level_weights}
@@ -103,6 +106,8 @@ def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
   bar = tqdm(range(c.steps), desc="warm start", unit="step", dynamic_ncols=True,
              disable=not show_progress)
   for i in bar:
+    if check_stop is not None:
+      check_stop()
     idx = draw(c.batch_size)
     params, opt_state, loss = step(params, opt_state, data.tokens[idx], data.loss_mask[idx],
                                    data.lengths[idx])

@@ -7,7 +7,7 @@
                                                               # tokens + behaviour logp mu
         rewards  = task verifier (jnp)                        # or host Python between halves
       score:
-        rewards  = + DAPO overlong shaping (optional)
+        rewards  = + DAPO overlong shaping, + Kimi k1.5 length reward (optional)
         selector = selection.update(selector, ids, rewards)
         groups   = DAPO dynamic filtering (optional; discarded tokens are counted)
         adv      = group advantages (grpo | dr_grpo | rloo)
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +69,18 @@ class Batch:
   behaviour_logp: jax.Array  # f32[B, T]
   lengths: jax.Array  # i32[B]
   truncated: jax.Array  # bool[B]
-  rewards: jax.Array  # f32[B]
-  advantages: jax.Array  # f32[B]
+  rewards: jax.Array  # f32[B] the task's reward (verifier or host Python), set by `score`
+  advantages: jax.Array  # f32[B] from the (optionally shaped) rewards, set by `score`
   prompt_ids: jax.Array  # i32[B]
   difficulty: jax.Array  # i32[B]
   policy_version: jax.Array  # i32[B] version of the policy that generated each row
-  stats: dict  # rollout-side ledger scalars (tokens generated incl. discarded, ...)
+
+
+class Rollouts(NamedTuple):
+  """What the rollout half hands the update half: the rows and the rollout-side ledger."""
+
+  batch: Batch
+  stats: dict  # ledger scalars of the rollout (tokens generated incl. discarded, selector)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,11 +177,12 @@ def sample(graphdef, params, prompts, prompt_lens, keys, cfg: StepConfig, mesh: 
 
 
 def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
-             mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
-  """Chooses prompts and samples G completions each; rewards = the task's jnp verifier.
+             mesh: Mesh | None = None) -> tuple[TrainState, Rollouts, jax.Array]:
+  """Chooses prompts and samples G completions each.
 
-  With dynamic filtering, `oversample` x prompts_per_step groups are sampled here and
-  `score` keeps prompts_per_step of them.
+  Returns (state, rollouts, verifier rewards f32[B]): the task's jnp verifier on the
+  completions (what `rollout` scores with; a host reward replaces it). With dynamic filtering,
+  `oversample` x prompts_per_step groups are sampled here and `score` keeps prompts_per_step.
   """
   rng, k_choose, k_sample = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
   n, g = cfg.sampled_groups, cfg.group_size
@@ -193,35 +200,38 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
     for i in range(hist.shape[0]):
       lo, hi = selection.HIST_BINS[i], selection.HIST_BINS[i + 1]
       stats[f"select/pass_rate_hist_{lo:.1f}-{hi:.1f}"] = hist[i].astype(jnp.float32)
+  zeros = jnp.zeros(rows.shape, jnp.float32)
   batch = Batch(prompts=chosen.prompts, prompt_lens=chosen.prompt_lens, completions=ro.tokens,
                 behaviour_logp=ro.logprobs, lengths=ro.lengths, truncated=ro.truncated,
-                rewards=rewards, advantages=jnp.zeros_like(rewards), prompt_ids=rows,
+                rewards=zeros, advantages=zeros, prompt_ids=rows,
                 difficulty=chosen.difficulty,
-                policy_version=jnp.full(rows.shape, state.policy_version, jnp.int32),
-                stats=stats)
+                policy_version=jnp.full(rows.shape, state.policy_version, jnp.int32))
   if mesh is not None:
-    batch = shd.constrain_batch(batch, mesh)
-  return state.replace(rng=jax.random.key_data(rng)), batch
+    batch, rewards = shd.constrain_batch((batch, rewards), mesh)
+  return state.replace(rng=jax.random.key_data(rng)), Rollouts(batch, stats), rewards
 
 
-def score(state: TrainState, batch: Batch, rewards, *, cfg: StepConfig,
-          mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
+def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
+          mesh: Mesh | None = None) -> tuple[TrainState, Rollouts]:
   """Task rewards -> shaped rewards, selector update, dynamic filtering, group advantages."""
+  batch = ro.batch
   g = cfg.group_size
   correct = rewards.astype(jnp.float32)
   lo, hi = cfg.reward_range
   invalid = ~jnp.isfinite(correct) | (correct < lo) | (correct > hi)
+  rewards = correct
   if cfg.length.overlong_shaping:
-    rewards = correct + length_lib.overlong_penalty(
+    rewards = rewards + length_lib.overlong_penalty(
         batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
-  else:
-    rewards = correct
+  if cfg.length.length_reward > 0:
+    rewards = rewards + cfg.length.length_reward * length_lib.group_length_reward(
+        batch.lengths, correct, g)
   groups = correct.reshape(-1, g)
   if state.selector is not None:
     state = state.replace(selector=selection.update(
         state.selector, cfg.selection, batch.prompt_ids[::g], groups, state.step))
   lengths = batch.lengths.astype(jnp.float32)
-  stats = dict(batch.stats)
+  stats = dict(ro.stats)
   # Checked on the host after the step: the loop names the offending example.
   stats["reward/invalid_count"] = invalid.sum().astype(jnp.float32)
   first = jnp.argmax(invalid)
@@ -234,9 +244,7 @@ def score(state: TrainState, batch: Batch, rewards, *, cfg: StepConfig,
     row_order = (order[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
     kept_tokens = jnp.take(lengths, row_order).sum()
     stats["ledger/tokens_discarded"] = lengths.sum() - kept_tokens
-    fields = {k: v for k, v in dataclasses.asdict(batch).items() if k != "stats"}
-    batch = Batch(**{k: jnp.take(v, row_order, axis=0) for k, v in fields.items()},
-                  stats=stats)
+    batch = jax.tree.map(lambda v: jnp.take(v, row_order, axis=0), batch)
     rewards = jnp.take(rewards, row_order)
     correct = jnp.take(correct, row_order)
   else:
@@ -244,17 +252,17 @@ def score(state: TrainState, batch: Batch, rewards, *, cfg: StepConfig,
   advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage)
   if cfg.length.overlong_filter:
     advantages = jnp.where(batch.truncated, 0.0, advantages)
-  batch = batch.replace(rewards=correct, advantages=advantages, stats=stats)
+  batch = batch.replace(rewards=correct, advantages=advantages)
   if mesh is not None:
     batch = shd.constrain_batch(batch, mesh)
-  return state, batch
+  return state, Rollouts(batch, stats)
 
 
 def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
-            mesh: Mesh | None = None) -> tuple[TrainState, Batch]:
+            mesh: Mesh | None = None) -> tuple[TrainState, Rollouts]:
   """generate + score with the task's jnp verifier: the rollout half of the fused step."""
-  state, batch = generate(state, pool, graphdef=graphdef, cfg=cfg, mesh=mesh)
-  return score(state, batch, batch.rewards, cfg=cfg, mesh=mesh)
+  state, ro, rewards = generate(state, pool, graphdef=graphdef, cfg=cfg, mesh=mesh)
+  return score(state, ro, rewards, cfg=cfg, mesh=mesh)
 
 
 def _unminibatch(x):
@@ -282,15 +290,15 @@ def _with_replay(state: TrainState, fresh: Batch, cfg: StepConfig):
   rep["truncated"] = jnp.zeros(idx.shape, bool)
   fields = {k: jnp.concatenate([getattr(fresh, k), rep[k].astype(getattr(fresh, k).dtype)])
             for k in rep}
-  batch = Batch(**fields, stats=fresh.stats)
+  batch = Batch(**fields)
   replayed = jnp.concatenate([jnp.zeros(fresh.lengths.shape, bool), used])
   return state.replace(replay=ring), batch, replayed
 
 
-def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
+def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
            mesh: Mesh | None = None) -> tuple[TrainState, dict]:
   """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch."""
-  fresh = batch
+  fresh = batch = ro.batch
   replayed = None
   if cfg.replay is not None:
     state, batch, replayed = _with_replay(state, fresh, cfg)
@@ -336,7 +344,7 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
     metrics["guard/skipped_updates"] = (~finite).astype(jnp.float32)
     return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
 
-  mbs = _minibatches({**data, "batch": data["batch"].replace(stats={})}, cfg.num_minibatches)
+  mbs = _minibatches(data, cfg.num_minibatches)
 
   def epoch(carry, _):
     return jax.lax.scan(minibatch_step, carry, mbs)
@@ -346,14 +354,15 @@ def update(state: TrainState, batch: Batch, *, graphdef, cfg: StepConfig, tx,
   skipped = metrics.pop("guard/skipped_updates").sum()
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["guard/skipped_updates"] = skipped
-  metrics.update(ledger(fresh, batch, mask, old_logp, replayed, state.policy_version, cfg))
+  metrics.update(ledger(fresh, ro.stats, batch, mask, old_logp, replayed,
+                        state.policy_version, cfg))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             policy_version=state.policy_version + cfg.num_updates *
                             cfg.num_minibatches)
   return new_state, metrics
 
 
-def ledger(fresh: Batch, batch: Batch, mask, old_logp, replayed, policy_version,
+def ledger(fresh: Batch, stats: dict, batch: Batch, mask, old_logp, replayed, policy_version,
            cfg: StepConfig) -> dict:
   """Where this step's compute went, plus reward and replay statistics (device scalars).
 
@@ -379,7 +388,7 @@ def ledger(fresh: Batch, batch: Batch, mask, old_logp, replayed, policy_version,
       "ledger/truncated_frac": fresh.truncated.astype(jnp.float32).mean(),
       "ledger/response_len_mean": lengths.mean(),
       "ledger/logp_drift_max": drift.max(),
-      **fresh.stats,
+      **stats,
   }
   out["ledger/tokens_wasted"] = out["ledger/tokens_zero_adv"] + out["ledger/tokens_discarded"]
   if replayed is not None:
@@ -413,8 +422,8 @@ def ledger(fresh: Batch, batch: Batch, mask, old_logp, replayed, policy_version,
 def train_step(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig, tx,
                mesh: Mesh | None = None) -> tuple[TrainState, dict]:
   """The fused step: rollout then update, one pure function."""
-  state, batch = rollout(state, pool, graphdef=graphdef, cfg=cfg, mesh=mesh)
-  return update(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
+  state, ro = rollout(state, pool, graphdef=graphdef, cfg=cfg, mesh=mesh)
+  return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
 
 
 # ----------------------------------------------------------------------------- state + jit
@@ -470,20 +479,20 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
 class StepFns:
   """Jitted halves and the fused step, with donated state and fixed shardings."""
 
-  rollout: Callable  # (state, pool) -> (state, batch)
-  update: Callable  # (state, batch) -> (state, metrics)
+  rollout: Callable  # (state, pool) -> (state, rollouts)
+  update: Callable  # (state, rollouts) -> (state, metrics)
   train_step: Callable  # (state, pool) -> (state, metrics): rollout + update, fused
-  generate: Callable  # (state, pool) -> (state, batch): for host-Python rewards ...
-  score_update: Callable  # (state, batch, rewards) -> (state, metrics): ... then this
+  generate: Callable  # (state, pool) -> (state, rollouts, _): for host-Python rewards ...
+  score_update: Callable  # (state, rollouts, rewards) -> (state, metrics): ... then this
   state_sharding: TrainState
   pool_sharding: Any
 
 
-def score_update(state: TrainState, batch: Batch, rewards, *, graphdef, cfg: StepConfig, tx,
+def score_update(state: TrainState, ro: Rollouts, rewards, *, graphdef, cfg: StepConfig, tx,
                  mesh: Mesh | None = None) -> tuple[TrainState, dict]:
   """The update half for rewards computed on the host (see rlx.rewards)."""
-  state, batch = score(state, batch, rewards, cfg=cfg, mesh=mesh)
-  return update(state, batch, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
+  state, ro = score(state, ro, rewards, cfg=cfg, mesh=mesh)
+  return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
 
 
 def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: TrainState,
@@ -498,7 +507,7 @@ def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: Tra
   fused = jax.jit(functools.partial(train_step, tx=tx, **kw), donate_argnums=0,
                   in_shardings=(s_shard, rep), out_shardings=(s_shard, rep))
   gen = jax.jit(functools.partial(generate, **kw), donate_argnums=0,
-                in_shardings=(s_shard, rep), out_shardings=(s_shard, None))
+                in_shardings=(s_shard, rep), out_shardings=(s_shard, None, None))
   sc_upd = jax.jit(functools.partial(score_update, tx=tx, **kw), donate_argnums=0,
                    in_shardings=(s_shard, None, None), out_shardings=(s_shard, rep))
   return StepFns(rollout=roll, update=upd, train_step=fused, generate=gen,

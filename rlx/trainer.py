@@ -123,7 +123,7 @@ def resolve(config: mlc.ConfigDict | configs.RunSpec, devices=None):
 
 def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
           log: Callable[[str], None] = print, devices=None,
-          show_progress: bool = False) -> Setup:
+          show_progress: bool = False, check_stop: Callable[[], None] | None = None) -> Setup:
   """Validates the config, prepares data / tokenizer / base model, compiles nothing yet.
 
   devices: the devices of the mesh (default: all devices of all processes). Writes only
@@ -134,7 +134,7 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
   has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
       name.isdigit() for name in os.listdir(os.path.join(workdir, "checkpoints")))
   exp = experiment.setup(spec, workdir, log=log, resuming=has_checkpoints,
-                         show_progress=show_progress)
+                         show_progress=show_progress, check_stop=check_stop)
   log(f"[rlx] model: {exp.model_cfg.num_params() / 1e6:.2f}M params "
       f"({exp.model_cfg.num_layers} layers, d_model {exp.model_cfg.d_model}); base: "
       f"{exp.base_source}")
@@ -217,17 +217,23 @@ class _Stop(BaseException):
 
 
 class _SignalFlag:
-  """SIGTERM / SIGINT handling for a whole run.
+  """SIGTERM / SIGINT handling for a whole run: the handler only remembers the signal.
 
-  While `deferred` (inside the RL loop) a signal is remembered, so the loop can checkpoint
-  and stop at a step boundary; otherwise (set-up, warm start, base evaluation) the handler
-  raises `_Stop` at once, since there is no step to finish.
+  Inside the RL loop the loop checkpoints and stops at the next step boundary. Before it
+  (set-up, warm start, base evaluation) `check()` is polled at safe points (each warm-start
+  step, each evaluation batch) and raises `_Stop`, since there is no step to finish. Raising
+  from the handler itself is not safe: it can land in a garbage-collector callback, where
+  Python prints and drops it.
   """
 
   def __init__(self):
     self.signum = None
     self.deferred = False
     self._old = {}
+
+  def check(self) -> None:
+    if self.signum is not None and not self.deferred:
+      raise _Stop(self.signum)
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -240,8 +246,6 @@ class _SignalFlag:
     if self.signum is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt  # a second Ctrl-C: stop now
     self.signum = signum
-    if not self.deferred:
-      raise _Stop(signum)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
@@ -401,7 +405,9 @@ def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
 def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
          stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
   host_reward = host_reward_fn(spec)  # an unknown reward fails before any work
-  setup = build(spec, workdir, log=log, devices=devices, show_progress=show_progress)
+  setup = build(spec, workdir, log=log, devices=devices, show_progress=show_progress,
+                check_stop=stop.check)
+  stop.check()
   exp, mesh, fns, state = setup.exp, setup.mesh, setup.fns, setup.state
   tok = exp.tokenizer
   abstract = jax.eval_shape(lambda: state)
@@ -429,7 +435,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
   evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
                                  spec.sampler.eval_batch_size, mesh, host_reward=eval_reward,
                                  host=exp.eval_host, tokenizer=tok,
-                                 **_eval_progress_kw(show_progress))
+                                 show_progress=show_progress, check_stop=stop.check)
   band = spec.task.band
   base_eval_path = os.path.join(workdir, "eval_base.json")
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
@@ -464,17 +470,16 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     gen_times, upd_times, tok_rates = [], [], []
     skipped_in_a_row = 0
     done = start
+    stop.check()
     stop.deferred = True
-    if stop.signum is not None:  # arrived just before the switch
-      raise _Stop(stop.signum)
     for step in range(start, spec.total_steps):
       t0 = time.perf_counter()
       if host_reward is not None:
         rng_before = state.rng  # `generate` changes only the RNG: the step can be undone
         rng_host = np.asarray(jax.device_get(rng_before))
-        state, batch = fns.generate(state, pool)
+        state, batch, _ = fns.generate(state, pool)
         rewards = _call_host_reward(
-            lambda: _host_rewards(batch, exp, host_reward, mesh), name=reward_name,
+            lambda: _host_rewards(batch.batch, exp, host_reward, mesh), name=reward_name,
             timeout_s=spec.task.reward_timeout_s, stop=stop)
         if rewards is None:  # SIGTERM while the reward ran: save the last finished step
           state = state.replace(rng=shd.put(rng_host, fns.state_sharding.rng))
@@ -561,12 +566,6 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
           "median_generate_s": float(np.median(gen_times)) if gen_times else None,
           "median_update_s": float(np.median(upd_times)) if upd_times else None,
           "state": state}
-
-
-def _eval_progress_kw(show_progress: bool) -> dict[str, Any]:
-  import inspect  # pylint: disable=g-import-not-at-top
-  params = inspect.signature(evaluate.Evaluator.__init__).parameters
-  return {"show_progress": show_progress} if "show_progress" in params else {}
 
 
 def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):

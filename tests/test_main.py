@@ -7,7 +7,7 @@ import pytest
 
 import rlx
 from rlx import checkpoint, configs, trainer
-from rlx.metrics import read_jsonl
+from rlx.metrics import MetricsWarning
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARITH = os.path.join(REPO, "experiments", "arith.py")
@@ -27,7 +27,7 @@ def trained(tmp_path_factory):
 
 def test_runlocal_trains_logs_and_checkpoints(trained):
   workdir, logs, summary = trained
-  lines = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  lines = rlx.read_metrics(workdir)
   assert [l["step"] for l in lines] == list(range(0, 9))
   step = lines[3]
   for key in ("reward/mean", "ledger/tokens_generated", "ledger/tokens_trained",
@@ -44,12 +44,20 @@ def test_runlocal_trains_logs_and_checkpoints(trained):
 
 def test_rerun_resumes_from_the_last_checkpoint(trained):
   workdir, _, _ = trained
+  # A damaged line in the middle of metrics.jsonl (and a torn last one) costs only themselves.
+  path = os.path.join(workdir, "metrics.jsonl")
+  lines = open(path).read().splitlines(keepends=True)
+  with open(path, "w") as f:
+    f.writelines(lines[:3] + ["{\"step\": 3, \"rew\x00\n"] + lines[3:] + ['{"step": 9, "rew'])
   logs = []
-  trainer.run(runlocal_config(total_steps=10), workdir, log=logs.append, show_progress=False)
+  with pytest.warns(MetricsWarning, match=r"metrics.jsonl: skipped 2 unreadable lines \(lines 4, "
+                    r"11\); moved to .*metrics.jsonl.corrupt"):
+    trainer.run(runlocal_config(total_steps=10), workdir, log=logs.append, show_progress=False)
   assert any("resumed from" in l and l.endswith("/8") for l in logs), logs
   assert not any("supervised warm start" in l for l in logs)  # the base model is cached
-  lines = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  lines = rlx.read_metrics(workdir)
   assert [l["step"] for l in lines] == list(range(0, 11))
+  assert open(path + ".corrupt").read() == '{"step": 3, "rew\x00\n{"step": 9, "rew\n'
 
 
 def test_workdir_with_a_different_model_is_refused(trained, tmp_path):

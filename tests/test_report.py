@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 
 from rlx import report
+from rlx.metrics import MetricsWarning
+
+# synthetic_run ends with a torn line, as after a crash; its warning is checked where it matters.
+pytestmark = pytest.mark.filterwarnings("ignore::rlx.metrics.MetricsWarning")
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LEVELS = (2, 3, 4)
@@ -75,7 +79,8 @@ def check_png(path):
 def full_report(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("run"))
   synthetic_run(workdir)
-  return workdir, report.make_report(workdir)
+  with pytest.warns(MetricsWarning, match=r"skipped 1 unreadable line \(line 22\)"):
+    return workdir, report.make_report(workdir)  # the torn last line is skipped
 
 
 def test_every_plot_is_a_valid_png(full_report):
@@ -94,7 +99,8 @@ def test_summary_states_the_headline_numbers(full_report):
   # Band: before 20% (eval_base.json), after mean(0.3+0.4, 0.1+0.4) = 60% at step 20.
   assert "held-out accuracy on the band (levels 3, 4): 20.0% before RL -> 60.0% at step 20 " \
          "(+40.0 points)" in text
-  s = report.summarize(report.load_run(workdir))
+  with pytest.warns(MetricsWarning):
+    s = report.summarize(report.load_run(workdir))
   lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))
            if l.rstrip().endswith("}")]
   assert s["tokens_generated"] == sum(l.get("ledger/tokens_generated", 0) for l in lines)
@@ -127,6 +133,23 @@ def test_cli_prints_summary_and_fails_clearly_without_metrics(tmp_path):
                        capture_output=True, text=True, timeout=60, env=env)
   assert out.returncode == 2
   assert "metrics.jsonl does not exist; expected the WORKDIR of an rlx run" in out.stderr
+  (tmp_path / "odd" / "metrics.jsonl").mkdir(parents=True)
+  out = subprocess.run([sys.executable, "-m", "rlx.report", str(tmp_path / "odd")],
+                       capture_output=True, text=True, timeout=60, env=env)
+  assert out.returncode == 2
+  assert out.stderr == (f"rlx.report: error: {tmp_path / 'odd' / 'metrics.jsonl'} is a directory; "
+                        f"expected the metrics.jsonl file of an rlx run (move the directory "
+                        f"away).\n")
+
+
+def test_a_corrupt_line_in_the_middle_loses_only_itself(tmp_path):
+  lines = synthetic_run(str(tmp_path), steps=6, eval_every=3)
+  path = tmp_path / "metrics.jsonl"
+  text = path.read_text().splitlines(keepends=True)
+  path.write_text("".join(text[:2] + ["\x00\x00garbage\n"] + text[2:]))
+  with pytest.warns(MetricsWarning, match=r"skipped 2 unreadable lines \(lines 3, 9\)"):
+    run = report.load_run(str(tmp_path))
+  assert [l["step"] for l in run.lines] == [l["step"] for l in lines] == list(range(7))
 
 
 def test_fused_step_runs_do_not_claim_a_generation_share(tmp_path):

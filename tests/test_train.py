@@ -112,7 +112,8 @@ def test_update_improves_the_objective_on_its_batch():
   roll = jax.jit(functools.partial(train.rollout, graphdef=g, cfg=cfg))
   for seed in range(20):  # the first rollout with a learning signal
     state = train.init_state(params, tx, seed, mesh)
-    state, batch = roll(state, make_pool())
+    state, ro = roll(state, make_pool())
+    batch = ro.batch
     if float(jnp.abs(batch.advantages).sum()) > 0:
       break
   assert float(jnp.abs(batch.advantages).sum()) > 0
@@ -124,7 +125,7 @@ def test_update_improves_the_objective_on_its_batch():
 
   before = objective(state.params)
   new_state, metrics = jax.jit(functools.partial(train.update, graphdef=g, cfg=cfg, tx=tx))(
-      state, batch)
+      state, ro)
   assert objective(new_state.params) > before
   assert int(new_state.step) == 1 and int(new_state.policy_version) == 1
   # Rewards are the verifier's: exact match of answer + EOS.

@@ -8,6 +8,15 @@ response length and L_cache a buffer before it,
 scaled here by `overlong_penalty` and added to the task reward. Responses that hit L_max
 without a stop token count as L > L_max (they were cut, their true length is longer).
 "Overlong filtering" instead removes truncated responses from the loss.
+
+Kimi k1.5 (Kimi Team 2025, arXiv 2501.12599, Sec. 2.3.3), a group-relative length reward that
+acts at every length, not only near L_max: over the G responses to one prompt, with lengths
+from min_len to max_len,
+    lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len)      (0 when max_len == min_len)
+    R_len(i) = lambda_i            if response i is correct (task reward > 0)
+             = min(0, lambda_i)    otherwise
+scaled by `length_reward` and added to the task reward: shorter correct answers gain up to
++0.5, longer ones lose up to -0.5, and a wrong answer is never rewarded for being short.
 """
 
 from __future__ import annotations
@@ -23,8 +32,11 @@ class LengthConfig:
   overlong_buffer: int = 4  # L_cache, in tokens
   overlong_penalty: float = 1.0
   overlong_filter: bool = False
+  length_reward: float = 0.0  # Kimi k1.5 group length reward coefficient (0: off)
 
   def __post_init__(self):
+    if not self.length_reward >= 0:
+      raise ValueError(f"length length_reward={self.length_reward}; expected >= 0.")
     if self.overlong_buffer < 1:
       raise ValueError(f"length overlong_buffer={self.overlong_buffer}; expected >= 1.")
     if self.overlong_penalty < 0:
@@ -38,3 +50,12 @@ def overlong_penalty(lengths_B, truncated_B, max_len: int, cfg: LengthConfig):
   pen = jnp.where(lengths_B <= start, 0.0, jnp.maximum(ramp, -1.0))
   pen = jnp.where(truncated_B, -1.0, pen)
   return cfg.overlong_penalty * pen
+
+
+def group_length_reward(lengths_B, correct_B, group_size: int):
+  """Kimi k1.5's length reward (unscaled) per response; groups are consecutive rows."""
+  lens = lengths_B.astype(jnp.float32).reshape(-1, group_size)
+  lo = lens.min(axis=1, keepdims=True)
+  hi = lens.max(axis=1, keepdims=True)
+  lam = jnp.where(hi > lo, 0.5 - (lens - lo) / jnp.maximum(hi - lo, 1.0), 0.0).reshape(-1)
+  return jnp.where(correct_B > 0, lam, jnp.minimum(lam, 0.0))

@@ -51,10 +51,10 @@ def _score(length_cfg):
       truncated=jnp.array([False, False, True, False]),
       rewards=jnp.zeros((b,)), advantages=jnp.zeros((b,)),
       prompt_ids=jnp.zeros((b,), jnp.int32), difficulty=jnp.ones((b,), jnp.int32),
-      policy_version=jnp.zeros((b,), jnp.int32), stats={})
+      policy_version=jnp.zeros((b,), jnp.int32))
   correct = jnp.array([1.0, 1.0, 1.0, 0.0])
-  _, scored = train.score(state, batch, correct, cfg=cfg)
-  return scored
+  _, scored = train.score(state, train.Rollouts(batch, {}), correct, cfg=cfg)
+  return scored.batch
 
 
 def _grpo(r):
@@ -75,3 +75,25 @@ def test_scoring_applies_shaping_to_advantages_and_filtering_to_truncated_rows()
   expected = _grpo([1, 1, 1, 0])
   expected[2] = 0.0
   np.testing.assert_allclose(filtered.advantages, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_group_length_reward_matches_a_hand_computed_table():
+  from rlx.rl.length import group_length_reward
+  # Group 0 (G=4): lengths 10, 20, 30, 50 -> lambda = .5 - (L - 10) / 40 = .5, .25, 0, -.5.
+  # Group 1: all length 7 -> lambda 0 for everyone.
+  lengths = jnp.array([10, 20, 30, 50, 7, 7, 7, 7])
+  correct = jnp.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+  got = group_length_reward(lengths, correct, 4)
+  # correct: lambda; wrong: min(0, lambda) (never rewarded for being short)
+  np.testing.assert_allclose(got, [0.5, 0.0, 0.0, -0.5, 0, 0, 0, 0], atol=1e-7)
+
+
+def test_length_reward_enters_the_advantages_through_score():
+  plain = _score(LengthConfig())
+  shaped = _score(LengthConfig(length_reward=0.4))
+  # lengths 2, 7, 8, 3 (one group of 4); correct 1, 1, 1, 0 -> lambda .5, -.1/.6*... by hand:
+  lam = 0.5 - (np.array([2, 7, 8, 3]) - 2) / 6
+  bonus = np.where([1, 1, 1, 0], lam, np.minimum(lam, 0))
+  r = np.array([1.0, 1.0, 1.0, 0.0]) + 0.4 * bonus
+  np.testing.assert_allclose(shaped.advantages, _grpo(r), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(shaped.rewards, plain.rewards)  # the task reward is kept

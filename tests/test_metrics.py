@@ -1,0 +1,139 @@
+"""metrics.jsonl: resuming keeps every readable line and quarantines damaged ones; one
+read_metrics for a workdir or its file; the evaluation progress bar."""
+
+import contextlib
+import json
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import rlx
+from rlx import metrics
+from rlx.metrics import JsonlWriter, MetricsWarning, read_metrics
+
+
+def write_lines(path, lines):
+  with open(path, "w") as f:
+    for line in lines:
+      f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def steps(lines):
+  return [l["step"] for l in lines]
+
+
+@contextlib.contextmanager
+def _no_metrics_warning():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", MetricsWarning)
+    yield
+
+
+def test_resume_keeps_the_lines_after_a_corrupt_one_and_quarantines_it(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  write_lines(path, [{"step": 0, "a": 0.5}, {"step": 1}, "{\"step\": 2, \"a\": 0.\x00 garbage",
+                     {"step": 2}, "[1, 2]", {"step": 3}, {"step": 4}, {"step": 5}])
+  with pytest.warns(MetricsWarning) as record:
+    w = JsonlWriter(str(path), resume_step=4)
+  assert len(record) == 1  # one warning for the file, not one per line
+  text = str(record[0].message)
+  assert f"{path}: skipped 2 unreadable lines (lines 3, 5); moved to {path}.corrupt" in text
+  w.write(5, {"a": np.float32(0.25)})
+  w.close()
+  assert steps(read_metrics(path)) == [0, 1, 2, 3, 4, 5]  # step 5 was rewritten by the resume
+  assert read_metrics(path)[0] == {"step": 0, "a": 0.5}
+  assert read_metrics(path)[-1] == {"step": 5, "a": 0.25}
+  assert (tmp_path / "metrics.jsonl.corrupt").read_text() == (
+      "{\"step\": 2, \"a\": 0.\x00 garbage\n[1, 2]\n")
+
+
+def test_resume_drops_a_torn_last_line_the_same_way(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  with open(path, "w") as f:
+    f.write(json.dumps({"step": 0}) + "\n" + json.dumps({"step": 1}) + "\n" + '{"step": 2, "rew')
+  with pytest.warns(MetricsWarning, match=r"skipped 1 unreadable line \(line 3\); moved to"):
+    JsonlWriter(str(path), resume_step=2).close()
+  assert steps(read_metrics(path)) == [0, 1]
+  assert (tmp_path / "metrics.jsonl.corrupt").read_text() == '{"step": 2, "rew\n'
+  # A second resume finds a clean file: no warning, and the quarantine is not duplicated.
+  with _no_metrics_warning():
+    JsonlWriter(str(path), resume_step=1).close()
+  assert (tmp_path / "metrics.jsonl.corrupt").read_text() == '{"step": 2, "rew\n'
+
+
+def test_a_fresh_run_starts_an_empty_file(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  write_lines(path, [{"step": 0}, "not json"])
+  with _no_metrics_warning():
+    w = JsonlWriter(str(path))
+  w.write(0, {"x": float("nan")})
+  w.close()
+  assert read_metrics(path) == [{"step": 0, "x": "nan"}]
+  assert not (tmp_path / "metrics.jsonl.corrupt").exists()
+
+
+def test_a_directory_in_place_of_metrics_jsonl_is_one_clear_error(tmp_path):
+  (tmp_path / "metrics.jsonl").mkdir()
+  message = r"metrics.jsonl is a directory; expected the metrics.jsonl file of an rlx run"
+  with pytest.raises(IsADirectoryError, match=message) as info:
+    JsonlWriter(str(tmp_path / "metrics.jsonl"), resume_step=3)
+  assert "\n" not in str(info.value)
+  for arg in (tmp_path, tmp_path / "metrics.jsonl"):
+    with pytest.raises(IsADirectoryError, match=message):
+      read_metrics(arg)
+
+
+def test_read_metrics_takes_the_workdir_or_the_file(tmp_path):
+  write_lines(tmp_path / "metrics.jsonl",
+              [{"step": 0, "x": 1}, {"step": 1, "x": 2}, "{torn", {"step": 1, "y": 3},
+               {"step": 2.0, "x": 4}])
+  want = [{"step": 0, "x": 1}, {"step": 1, "x": 2, "y": 3}, {"step": 2, "x": 4}]
+  for arg in (tmp_path, str(tmp_path), tmp_path / "metrics.jsonl"):
+    with pytest.warns(MetricsWarning, match=r"skipped 1 unreadable line \(line 3\); the other"):
+      assert read_metrics(arg) == want
+  assert not (tmp_path / "metrics.jsonl.corrupt").exists()  # reading never rewrites
+  assert rlx.read_metrics is read_metrics and metrics.read_jsonl is read_metrics
+
+
+def test_read_metrics_names_a_missing_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match=rf"{tmp_path}/metrics.jsonl does not exist; "
+                     r"expected the WORKDIR of an rlx run"):
+    read_metrics(tmp_path)
+  with pytest.raises(FileNotFoundError, match=r"nothing/metrics.jsonl does not exist"):
+    read_metrics(tmp_path / "nothing" / "metrics.jsonl")
+
+
+# ---- the evaluation progress bar -------------------------------------------------------------
+
+
+def tiny_evaluator(show_progress):
+  from rlx import evaluate, sharding as shd
+  from rlx.data.tasks import PromptPool
+  from rlx.model.config import ModelConfig
+  from rlx.sampler.sampling import SamplingParams
+  cfg = ModelConfig(vocab_size=16, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_dim=32)
+  graphdef, params = rlx.init_params(cfg, seed=0)
+  n = 6
+  pool = PromptPool(prompts=np.full((n, 4), 5, np.int32), prompt_lens=np.full((n,), 4, np.int32),
+                    answers=np.full((n, 2), 3, np.int32), answer_lens=np.full((n,), 2, np.int32),
+                    difficulty=np.arange(n, dtype=np.int32) % 2)
+  mesh = shd.make_mesh(devices=jax.devices()[:1])
+  sp = SamplingParams(max_new_tokens=2, temperature=0.0)
+  ev = evaluate.Evaluator(graphdef, pool, sp, batch_size=2, mesh=mesh,
+                          show_progress=show_progress)
+  return ev, params
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_evaluator_shows_progress_over_its_batches(show, capsys):
+  ev, params = tiny_evaluator(show)
+  out = ev(params)
+  assert set(out) == {"eval/accuracy", "eval/accuracy_d0", "eval/accuracy_d1"}
+  err = capsys.readouterr().err
+  if show:
+    assert "eval:" in err and "/3 [" in err, err  # 6 prompts in batches of 2
+  else:
+    assert "eval" not in err, err
