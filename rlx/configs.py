@@ -85,6 +85,8 @@ class TaskSpec:
   reverse_answer: bool
   teacher_error_levels: tuple[int, ...]
   teacher_error_rate: float
+  teacher_verbose_levels: tuple[int, ...]
+  teacher_verbose_rate: float
   seed: int
   manual_dir: str
   num_eval: int
@@ -93,7 +95,7 @@ class TaskSpec:
   eval_levels: tuple[int, ...]
   data_dir: str
   instruction: str
-  reward: str
+  reward: str  # resolved: config.task.reward, or the task's default when that is empty
   reward_timeout_s: float
 
 
@@ -172,6 +174,10 @@ class RLSpec:
   num_updates: int
   num_minibatches: int
   loss: LossConfig
+  logprob_chunk: int
+  remat: bool
+  fuse_pi_old: bool
+  update_buckets: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +369,10 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
       warm_start_dir=config.warm_start.dir or "", sft=sft_spec,
       rl=RLSpec(prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
                 advantage=rl.advantage, num_updates=rl.num_updates,
-                num_minibatches=rl.num_minibatches, loss=loss),
+                num_minibatches=rl.num_minibatches, loss=loss,
+                logprob_chunk=_int(config, "rl.logprob_chunk", 0, MAX_TOKENS),
+                remat=bool(rl.remat), fuse_pi_old=bool(rl.fuse_pi_old),
+                update_buckets=_int(config, "rl.update_buckets", 1, 64)),
       selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
       guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config))
 
@@ -377,8 +386,11 @@ def _ints(config, key: str) -> tuple[int, ...]:
 
 
 def _task_spec(config) -> TaskSpec:
+  from rlx.data import registry  # pylint: disable=g-import-not-at-top  (registry imports us)
   t = config.task
+  task = registry.get_task(t.name)  # an unknown name fails here, before any work
   _number(config, "task.teacher_error_rate", 0, 1)
+  _number(config, "task.teacher_verbose_rate", 0, 1)
   _int(config, "task.num_eval", 0)
   _number(config, "task.reward_timeout_s", 0, lo_open=True)
   return TaskSpec(
@@ -386,11 +398,13 @@ def _task_spec(config) -> TaskSpec:
       num_train_per_level=t.num_train_per_level, num_eval_per_level=t.num_eval_per_level,
       reverse_answer=bool(t.reverse_answer),
       teacher_error_levels=_ints(config, "task.teacher_error_levels"),
-      teacher_error_rate=float(t.teacher_error_rate), seed=t.seed, manual_dir=t.manual_dir,
+      teacher_error_rate=float(t.teacher_error_rate),
+      teacher_verbose_levels=_ints(config, "task.teacher_verbose_levels"),
+      teacher_verbose_rate=float(t.teacher_verbose_rate), seed=t.seed, manual_dir=t.manual_dir,
       num_eval=t.num_eval, rl_levels=_ints(config, "task.rl_levels"),
       band=_ints(config, "task.band"), eval_levels=_ints(config, "task.eval_levels"),
       data_dir=t.data_dir, instruction=t.instruction or "{prompt}",
-      reward=t.reward or "exact_match", reward_timeout_s=float(t.reward_timeout_s))
+      reward=t.reward or task.reward, reward_timeout_s=float(t.reward_timeout_s))
 
 
 def _tokenizer_spec(config) -> TokenizerSpec:
@@ -482,7 +496,9 @@ def defaults() -> mlc.ConfigDict:
   c.fused_step = False  # True: one jitted step (no generation/update time split)
 
   c.task = mlc.ConfigDict()
-  c.task.name = "arithmetic"  # arithmetic | gsm8k | math
+  # arithmetic | column_add | gsm8k | math, or a task an experiment registered
+  # (rlx.data.registry.register_task)
+  c.task.name = "arithmetic"
   c.task.ops = ("add",)  # arithmetic: ("add", "mul")
   c.task.levels = (2, 3, 4, 5)  # arithmetic: numbers of digits
   c.task.num_train_per_level = 5000
@@ -490,6 +506,8 @@ def defaults() -> mlc.ConfigDict:
   c.task.reverse_answer = False  # arithmetic: answers lowest digit first
   c.task.teacher_error_levels = ()  # arithmetic: warm-start answers drop a carry here ...
   c.task.teacher_error_rate = 0.0  # ... with this probability
+  c.task.teacher_verbose_levels = ()  # column_add: warm-start solutions padded here ...
+  c.task.teacher_verbose_rate = 0.0  # ... with this probability
   c.task.seed = 0
   c.task.manual_dir = ""  # gsm8k / math: the directory holding the JSONL files
   c.task.num_eval = 0  # gsm8k / math: cap on held-out examples (0: all)
@@ -498,9 +516,11 @@ def defaults() -> mlc.ConfigDict:
   c.task.eval_levels = ()  # levels of the held-out set to evaluate (empty: all)
   c.task.data_dir = ""  # where TFDS prepares the data (empty: WORKDIR/data)
   c.task.instruction = "{prompt}"  # prompt template; {prompt} is the problem text
-  # "exact_match": the jnp verifier inside the jitted step. A registered Python reward
-  # ("math", "exact") or "package.module:function" runs on the host between the halves.
-  c.task.reward = "exact_match"
+  # "exact_match": the task's jnp verifier inside the jitted step (exact match, or the final
+  # answer after a marker). A registered Python reward ("math", "exact") or
+  # "package.module:function" runs on the host between the halves. Empty: the task's default
+  # (exact_match for arithmetic / column_add, math for gsm8k / math).
+  c.task.reward = ""
   # A host reward that has not returned after this many seconds stops the run (one line);
   # SIGTERM while it runs still checkpoints the last finished step and exits 75.
   c.task.reward_timeout_s = 600.0
@@ -554,6 +574,15 @@ def defaults() -> mlc.ConfigDict:
   # PPO trust region around pi_old = the recomputed proximal policy (decoupled PPO, with the
   # correction above) or the behaviour policy that sampled the data (off-policy PPO-clip).
   c.rl.anchor = "proximal"
+  # Update cost and memory (rlx.train.update). Log-probs over `logprob_chunk` completion
+  # positions at a time (0: all at once; long completions x large vocabularies want 128-512:
+  # [rows, chunk, V] f32 logits live instead of [rows, T, V]); per-layer rematerialisation;
+  # pi_old taken from the first minibatch's gradient pass (no separate forward); the update
+  # compiles for `update_buckets` completion widths and cuts the padding columns.
+  c.rl.logprob_chunk = 0
+  c.rl.remat = False
+  c.rl.fuse_pi_old = True
+  c.rl.update_buckets = 4
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()

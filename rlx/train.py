@@ -100,6 +100,13 @@ class StepConfig:
   replay: replay_lib.ReplayConfig | None = None
   length: length_lib.LengthConfig = length_lib.LengthConfig()
   reward_range: tuple[float, float] = (-10.0, 10.0)  # rewards outside stop the run
+  # Update-side cost and memory (see `update`): log-prob chunk (positions per vocabulary
+  # projection, 0 = all at once), per-layer rematerialisation, pi_old fused into the first
+  # minibatch's gradient pass, completion-width buckets the update compiles for.
+  logprob_chunk: int = 0
+  remat: bool = False
+  fuse_pi_old: bool = True
+  update_buckets: int = 4
 
   @property
   def batch_size(self) -> int:
@@ -155,12 +162,16 @@ def sequence_inputs(prompts_BxP, prompt_lens_B, completions_BxT, lengths_B):
 
 
 def completion_logprobs(graphdef, params, prompts_BxP, prompt_lens_B, completions_BxT,
-                        lengths_B, temperature: float):
-  """log pi(completion tokens) [B, T] (f32) and the response mask [B, T]."""
+                        lengths_B, temperature: float, *, chunk: int = 0, remat: bool = False):
+  """log pi(completion tokens) [B, T] (f32) and the response mask [B, T].
+
+  chunk / remat: see `transformer.token_logprobs` (memory for long completions).
+  """
   tokens, pos, valid, mask = sequence_inputs(prompts_BxP, prompt_lens_B, completions_BxT,
                                              lengths_B)
-  lp = transformer.token_logprobs(graphdef, params, tokens, pos, valid, temperature)
-  return lp[:, prompts_BxP.shape[1] - 1:], mask
+  lp = transformer.token_logprobs(graphdef, params, tokens, pos, valid, temperature,
+                                  first=prompts_BxP.shape[1] - 1, chunk=chunk, remat=remat)
+  return lp, mask
 
 
 # ----------------------------------------------------------------------------- step halves
@@ -238,6 +249,9 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   stats["reward/first_invalid_prompt"] = batch.prompt_ids[first].astype(jnp.float32)
   stats["reward/first_invalid_value"] = jnp.where(invalid.any(), correct[first], 0.0)
   stats["ledger/tokens_generated"] = lengths.sum()
+  if state.replay is not None:  # bounds the replayed rows' width (see `update_width`)
+    stats["replay/ring_max_len"] = jnp.where(state.replay.valid, state.replay.lengths,
+                                             0).max().astype(jnp.float32)
   stats["ledger/groups_sampled"] = jnp.asarray(groups.shape[0], jnp.float32)
   if cfg.selection.dynamic_filter:
     order = selection.dynamic_filter_order(rewards.reshape(-1, g))[:cfg.prompts_per_step]
@@ -295,43 +309,80 @@ def _with_replay(state: TrainState, fresh: Batch, cfg: StepConfig):
   return state.replace(replay=ring), batch, replayed
 
 
+def update_width(max_len: int, max_new_tokens: int, buckets: int) -> int:
+  """The completion width the update compiles for: the smallest of `buckets` widths
+  (multiples of 8 spread up to max_new_tokens) that holds `max_len` tokens."""
+  if buckets <= 1:
+    return max_new_tokens
+  for k in range(1, buckets + 1):
+    w = -(-max_new_tokens * k // buckets)  # ceil(T k / n) ...
+    w = min(max_new_tokens, -(-w // 8) * 8)  # ... rounded up to a multiple of 8
+    if w >= max_len:
+      return w
+  return max_new_tokens
+
+
+def _trim(batch: Batch, width: int) -> Batch:
+  return batch.replace(completions=batch.completions[:, :width],
+                       behaviour_logp=batch.behaviour_logp[:, :width])
+
+
 def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
-           mesh: Mesh | None = None) -> tuple[TrainState, dict]:
-  """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch."""
+           mesh: Mesh | None = None, width: int | None = None) -> tuple[TrainState, dict]:
+  """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch.
+
+  width: completion columns the update computes on (static; `update_width` of the longest
+    row, fresh or replayed); None = all of max_new_tokens. Columns past every row's length
+    are padding: cutting them changes no result (the loss normaliser of
+    seq_mean_token_sum_norm stays max_new_tokens) and saves their FLOPs.
+  pi_old (the proximal policy) is the current policy's log-prob before any update, so the
+  first minibatch's gradient pass yields it (stop-gradient) at no cost (cfg.fuse_pi_old);
+  only the other minibatches need a forward pass before the updates, and later passes over
+  the batch reuse what the first one stored. With one minibatch no extra forward runs.
+  """
   fresh = batch = ro.batch
   replayed = None
   if cfg.replay is not None:
     state, batch, replayed = _with_replay(state, fresh, cfg)
     if mesh is not None:
       batch, replayed = shd.constrain_batch((batch, replayed), mesh)
-  temp = cfg.sampling.policy_temperature
-  logp_fn = functools.partial(completion_logprobs, graphdef, temperature=temp)
-  seqs = (batch.prompts, batch.prompt_lens, batch.completions, batch.lengths)
+  full_t = batch.completions.shape[1]
+  if width is not None and width < full_t:
+    batch = _trim(batch, width)
+  m = cfg.num_minibatches
+  logp_fn = functools.partial(completion_logprobs, graphdef,
+                              temperature=cfg.sampling.policy_temperature,
+                              chunk=cfg.logprob_chunk, remat=cfg.remat)
+  mb_batch = _minibatches(batch, m)
+  mb_seqs = (mb_batch.prompts, mb_batch.prompt_lens, mb_batch.completions, mb_batch.lengths)
 
-  def batch_logprobs(params):
-    # Minibatch by minibatch: only one minibatch's logits are live at a time.
-    lp, m = jax.lax.map(lambda x: logp_fn(params, *x), _minibatches(seqs, cfg.num_minibatches))
-    return _unminibatch(lp), _unminibatch(m)
+  def forward(params, seqs):  # no-grad log-probs, minibatch by minibatch (one live at a time)
+    return jax.lax.map(lambda x: logp_fn(params, *x)[0], seqs)
 
-  # pi_old: the proximal policy of decoupled PPO, recomputed by the trainer (its agreement
-  # with mu is also the ledger's drift check) -- or, with anchor="behaviour", mu itself.
-  old_logp, mask = batch_logprobs(state.params)
-  old_logp = jax.lax.stop_gradient(old_logp)
-  anchor_logp = batch.behaviour_logp if cfg.loss.anchor == "behaviour" else old_logp
-  ref_logp = None
-  if cfg.loss.kl_coef > 0:
-    ref_logp, _ = batch_logprobs(state.ref_params)
-  data = {"batch": batch, "old_logp": anchor_logp, "ref_logp": ref_logp}
+  if cfg.fuse_pi_old:
+    rest = forward(state.params, jax.tree.map(lambda x: x[1:], mb_seqs)) if m > 1 else None
+    first = jnp.zeros((1, *mb_batch.behaviour_logp.shape[1:]), jnp.float32)
+    pi_old = first if rest is None else jnp.concatenate([first, rest])
+  else:
+    pi_old = forward(state.params, mb_seqs)
+  pi_old = jax.lax.stop_gradient(pi_old)  # [m, B/m, T]
+  ref_logp = forward(state.ref_params, mb_seqs) if cfg.loss.kl_coef > 0 else None
 
-  def loss_fn(params, d):
-    b = d["batch"]
-    logp, m = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
-    return policy_loss(logp, d["old_logp"], b.behaviour_logp, b.advantages, m, cfg.loss,
-                       d["ref_logp"])
+  def loss_fn(params, b: Batch, ref, old_in, is_first):
+    logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
+    old = jnp.where(is_first, jax.lax.stop_gradient(logp), old_in)
+    anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
+    loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask, cfg.loss,
+                                ref, norm_len=full_t)
+    return loss, (metrics, old)
 
-  def minibatch_step(carry, d):
-    params, opt_state = carry
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, d)
+  def minibatch_step(carry, xs):
+    params, opt_state, store, epoch = carry
+    j, b, ref = xs
+    is_first = (epoch == 0) & (j == 0) & cfg.fuse_pi_old
+    (loss, (metrics, old)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, b, ref, store[j], is_first)
+    store = store.at[j].set(old)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     # Numeric guard: an update with a non-finite loss, gradient or result is skipped (params
@@ -342,18 +393,27 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     metrics["grad_norm"] = jnp.where(finite, optax.tree.norm(grads), 0.0)
     metrics["guard/skipped_updates"] = (~finite).astype(jnp.float32)
-    return (keep(new_params, params), keep(new_opt_state, opt_state)), metrics
+    return (keep(new_params, params), keep(new_opt_state, opt_state), store, epoch), metrics
 
-  mbs = _minibatches(data, cfg.num_minibatches)
+  def epoch_step(carry, epoch):
+    params, opt_state, store = carry
+    (params, opt_state, store, _), metrics = jax.lax.scan(
+        minibatch_step, (params, opt_state, store, epoch),
+        (jnp.arange(m), mb_batch, ref_logp))
+    return (params, opt_state, store), metrics
 
-  def epoch(carry, _):
-    return jax.lax.scan(minibatch_step, carry, mbs)
-
-  (params, opt_state), metrics = jax.lax.scan(epoch, (state.params, state.opt_state), None,
-                                              length=cfg.num_updates)
+  (params, opt_state, pi_old), metrics = jax.lax.scan(
+      epoch_step, (state.params, state.opt_state, pi_old), jnp.arange(cfg.num_updates))
   skipped = metrics.pop("guard/skipped_updates").sum()
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["guard/skipped_updates"] = skipped
+  old_logp = _unminibatch(pi_old)
+  t = batch.completions.shape[1]
+  mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
+  real = (batch.prompt_lens + batch.lengths).astype(jnp.float32).sum()
+  metrics["ledger/update_width"] = jnp.asarray(t, jnp.float32)
+  metrics["ledger/update_pad_frac"] = 1.0 - real / (batch.lengths.shape[0] *
+                                                    (batch.prompts.shape[1] + t))
   metrics.update(ledger(fresh, ro.stats, batch, mask, old_logp, replayed,
                         state.policy_version, cfg))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
@@ -378,7 +438,8 @@ def ledger(fresh: Batch, stats: dict, batch: Batch, mask, old_logp, replayed, po
   zero_var = jnp.all(fresh.advantages.reshape(-1, g) == 0, axis=1)
   zero_rows = jnp.repeat(zero_var, g)
   signal = fresh.advantages != 0
-  drift = jnp.where(mask[:b], jnp.abs(old_logp[:b] - fresh.behaviour_logp), 0.0)
+  # batch's first b rows are the fresh ones (at the update's width).
+  drift = jnp.where(mask[:b], jnp.abs(old_logp[:b] - batch.behaviour_logp[:b]), 0.0)
   out = {
       "reward/mean": fresh.rewards.mean(),
       "reward/pass_at_group": jnp.mean(jnp.any(groups > 0, axis=1)),
@@ -489,10 +550,34 @@ class StepFns:
 
 
 def score_update(state: TrainState, ro: Rollouts, rewards, *, graphdef, cfg: StepConfig, tx,
-                 mesh: Mesh | None = None) -> tuple[TrainState, dict]:
+                 mesh: Mesh | None = None, width: int | None = None) -> tuple[TrainState, dict]:
   """The update half for rewards computed on the host (see rlx.rewards)."""
   state, ro = score(state, ro, rewards, cfg=cfg, mesh=mesh)
-  return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
+  return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh, width=width)
+
+
+def rollout_width(ro: Rollouts, cfg: StepConfig) -> int:
+  """The update's completion width for these rollouts (host side: reads two scalars)."""
+  longest = int(jax.device_get(ro.batch.lengths.max()))
+  if "replay/ring_max_len" in ro.stats:
+    longest = max(longest, int(jax.device_get(ro.stats["replay/ring_max_len"])))
+  return update_width(longest, cfg.sampling.max_new_tokens, cfg.update_buckets)
+
+
+class _ByWidth:
+  """One jitted function per update width (`update_width`: a bounded set of buckets)."""
+
+  def __init__(self, make: Callable[[int | None], Callable]):
+    self._make = make
+    self._fns: dict[int | None, Callable] = {}
+
+  def __call__(self, *args, width: int | None = None):
+    if width not in self._fns:
+      self._fns[width] = self._make(width)
+    return self._fns[width](*args)
+
+  def _cache_size(self) -> int:
+    return sum(fn._cache_size() for fn in self._fns.values())  # pylint: disable=protected-access
 
 
 def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: TrainState,
@@ -502,13 +587,15 @@ def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: Tra
   kw = dict(graphdef=graphdef, cfg=cfg, mesh=mesh)
   roll = jax.jit(functools.partial(rollout, **kw), donate_argnums=0,
                  in_shardings=(s_shard, rep), out_shardings=(s_shard, None))
-  upd = jax.jit(functools.partial(update, tx=tx, **kw), donate_argnums=0,
-                in_shardings=(s_shard, None), out_shardings=(s_shard, rep))
+  upd = _ByWidth(lambda w: jax.jit(functools.partial(update, tx=tx, width=w, **kw),
+                                   donate_argnums=0, in_shardings=(s_shard, None),
+                                   out_shardings=(s_shard, rep)))
   fused = jax.jit(functools.partial(train_step, tx=tx, **kw), donate_argnums=0,
                   in_shardings=(s_shard, rep), out_shardings=(s_shard, rep))
   gen = jax.jit(functools.partial(generate, **kw), donate_argnums=0,
                 in_shardings=(s_shard, rep), out_shardings=(s_shard, None, None))
-  sc_upd = jax.jit(functools.partial(score_update, tx=tx, **kw), donate_argnums=0,
-                   in_shardings=(s_shard, None, None), out_shardings=(s_shard, rep))
+  sc_upd = _ByWidth(lambda w: jax.jit(functools.partial(score_update, tx=tx, width=w, **kw),
+                                      donate_argnums=0, in_shardings=(s_shard, None, None),
+                                      out_shardings=(s_shard, rep)))
   return StepFns(rollout=roll, update=upd, train_step=fused, generate=gen,
                  score_update=sc_upd, state_sharding=s_shard, pool_sharding=rep)

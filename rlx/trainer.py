@@ -52,7 +52,8 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       sampler_impl=spec.sampler.impl,
       paged=spec.sampler.paged if spec.sampler.impl == "paged" else None,
       selection=spec.selection, replay=spec.replay, length=spec.length,
-      reward_range=spec.guard.reward_range)
+      reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
+      fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets)
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -486,7 +487,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
           _preempt(saver, done, state, meta, stop)
         _fault("kill_after_rollout", step + 1)
         t1 = time.perf_counter()
-        state, m = fns.score_update(state, batch, rewards)
+        state, m = fns.score_update(state, batch, rewards,
+                                    width=train.rollout_width(batch, setup.step_cfg))
         m = jax.device_get(m)
         t_gen, t_upd = t1 - t0, time.perf_counter() - t1
       elif spec.fused_step:
@@ -495,10 +497,10 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
         t_gen, t_upd = time.perf_counter() - t0, 0.0
       else:
         state, batch = fns.rollout(state, pool)
-        jax.block_until_ready(batch)
+        width = train.rollout_width(batch, setup.step_cfg)  # waits for the rollout
         _fault("kill_after_rollout", step + 1)
         t1 = time.perf_counter()
-        state, m = fns.update(state, batch)
+        state, m = fns.update(state, batch, width=width)
         m = jax.device_get(m)
         t_gen, t_upd = t1 - t0, time.perf_counter() - t1
       m = {k: float(v) for k, v in m.items()}

@@ -1,0 +1,129 @@
+"""The update half against its plain reference: pi_old fused into the first gradient pass,
+padding columns cut, log-probs chunked, layers rematerialised -- same parameters after a step."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rlx import sharding as shd
+from rlx import train
+from rlx.model import ModelConfig, init_params
+from rlx.rl.loss import LossConfig
+from rlx.rl.replay import ReplayConfig
+from rlx.sampler.sampling import SamplingParams
+
+CFG = ModelConfig(vocab_size=23, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                  head_dim=8, mlp_dim=64)
+T = 24  # max_new_tokens
+B = 16  # 4 prompts x G=4
+P = 6
+
+
+def _rollouts(seed=0):
+  """A batch of mixed lengths (longest 13 < T) with non-zero advantages; behaviour log-probs
+  near, not equal to, the policy's (so importance weights are not all 1)."""
+  rng = np.random.default_rng(seed)
+  prompt_lens = rng.integers(2, P + 1, B).astype(np.int32)
+  prompts = np.zeros((B, P), np.int32)
+  for i, l in enumerate(prompt_lens):
+    prompts[i, P - l:] = rng.integers(4, CFG.vocab_size, l)
+  lengths = rng.integers(1, 14, B).astype(np.int32)
+  completions = rng.integers(4, CFG.vocab_size, (B, T)).astype(np.int32)
+  completions[np.arange(T)[None, :] >= lengths[:, None]] = 0
+  g, params = init_params(CFG, 0)
+  lp, mask = train.completion_logprobs(g, params, prompts, prompt_lens, completions, lengths,
+                                       1.0)
+  behaviour = np.where(mask, np.asarray(lp) + rng.normal(0, 0.05, lp.shape), 0.0)
+  batch = train.Batch(
+      prompts=jnp.asarray(prompts), prompt_lens=jnp.asarray(prompt_lens),
+      completions=jnp.asarray(completions), behaviour_logp=jnp.asarray(behaviour, jnp.float32),
+      lengths=jnp.asarray(lengths), truncated=jnp.zeros((B,), bool),
+      rewards=jnp.asarray(rng.integers(0, 2, B), jnp.float32),
+      advantages=jnp.asarray(rng.normal(0, 1, B), jnp.float32),
+      prompt_ids=jnp.repeat(jnp.arange(4), 4), difficulty=jnp.ones((B,), jnp.int32),
+      policy_version=jnp.zeros((B,), jnp.int32))
+  return g, params, train.Rollouts(batch, {"ledger/tokens_discarded": jnp.zeros(())})
+
+
+def _config(**kw):
+  base = dict(prompts_per_step=4, group_size=4, advantage="grpo", num_updates=1,
+              num_minibatches=1, loss=LossConfig(), sampling=SamplingParams(max_new_tokens=T))
+  base.update(kw)
+  return train.StepConfig(**base)
+
+
+def _step(cfg, g, params, ro, width=None, seed=0):
+  mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  # Plain SGD: parameters move linearly in the gradients (Adam's normalisation would magnify
+  # f32 rounding in near-zero gradient entries to a full step).
+  tx = optax.sgd(0.5)
+  state = train.init_state(params, tx, seed, mesh, with_ref=cfg.loss.kl_coef > 0,
+                           replay=cfg.replay, prompt_width=P, max_new_tokens=T)
+  if cfg.replay is not None:  # a ring holding an earlier copy of the batch
+    ring = train.replay_lib.add(state.replay, ro.batch, ro.batch.advantages != 0,
+                                jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    state = state.replace(replay=ring, policy_version=jnp.ones((), jnp.int32))
+  fn = jax.jit(functools.partial(train.update, graphdef=g, cfg=cfg, tx=tx, width=width))
+  new_state, metrics = fn(state, ro)
+  return new_state.params, jax.device_get(metrics)
+
+
+CASES = {
+    "one_minibatch": {},
+    "minibatches_and_updates": dict(num_minibatches=2, num_updates=2),
+    "replay": dict(replay=ReplayConfig(capacity=16, num_samples=8, max_staleness=4)),
+    "kl_seq_sum_norm": dict(loss=LossConfig(kl_coef=0.1, aggregation="seq_mean_token_sum_norm")),
+    "behaviour_anchor": dict(loss=LossConfig(anchor="behaviour"), num_minibatches=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_pi_old_and_cut_padding_equal_the_plain_update(case):
+  g, params, ro = _rollouts()
+  plain = _config(fuse_pi_old=False, **CASES[case])
+  ref_params, ref_m = _step(plain, g, params, ro)
+  assert ref_m["loss/policy"] != 0 and ref_m["grad_norm"] > 0  # the step learns something
+  width = train.update_width(int(ro.batch.lengths.max()), T, 4)
+  assert width == 16  # 13 tokens -> the 16-wide bucket (of 8, 16, 24): 8 padding columns cut
+  for cfg, w in ((dataclasses.replace(plain, fuse_pi_old=True), None),
+                 (dataclasses.replace(plain, fuse_pi_old=True), width),
+                 (dataclasses.replace(plain, logprob_chunk=5, remat=True), width)):
+    got_params, got_m = _step(cfg, g, params, ro, w)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 ref_params, got_params)
+    for key in ("loss/policy", "loss/ratio_mean", "loss/is_weight_mean",
+                "ledger/logp_drift_max", "ledger/tokens_trained"):
+      np.testing.assert_allclose(got_m[key], ref_m[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    if w is not None:
+      assert got_m["ledger/update_width"] == width
+      assert got_m["ledger/update_pad_frac"] < ref_m["ledger/update_pad_frac"]
+
+
+def test_fusing_pi_old_removes_a_forward_pass():
+  # With one minibatch the plain update runs forward (pi_old) + forward/backward; the fused one
+  # only the latter: XLA's own FLOP count shows the saved pass.
+  g, params, ro = _rollouts()
+  mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  tx = train.make_optimizer(1e-2, 10)
+  state = train.init_state(params, tx, 0, mesh)
+
+  def flops(cfg):
+    fn = jax.jit(functools.partial(train.update, graphdef=g, cfg=cfg, tx=tx))
+    return fn.lower(state, ro).compile().cost_analysis()["flops"]
+
+  plain, fused = flops(_config(fuse_pi_old=False)), flops(_config(fuse_pi_old=True))
+  assert fused < 0.85 * plain, (fused, plain)
+
+
+def test_update_widths_are_a_bounded_set():
+  widths = {train.update_width(n, 256, 4) for n in range(0, 257)}
+  assert widths == {64, 128, 192, 256}
+  assert all(train.update_width(n, 256, 4) >= n for n in range(0, 257))
+  assert train.update_width(3, 20, 4) == 8 and train.update_width(20, 20, 4) == 20
+  assert {train.update_width(n, 24, 4) for n in range(25)} == {8, 16, 24}
+  assert {train.update_width(n, 24, 1) for n in range(25)} == {24}
