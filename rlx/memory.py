@@ -11,8 +11,10 @@ What is resident depends on the phase of a step, so every line belongs to one:
   rollout    the sampler of one training step (KV cache / page pool, its temporaries).
   eval       the dense greedy sampler over `sampler.eval_batch_size` prompts.
   update     both halves of the update: the training batch and its old / ref log-probs;
-  logp         pi_old recomputed by one forward over the WHOLE training batch (no grad);
-  grad         one minibatch's forward + backward: saved activations, f32 logits, grads.
+  logp         a no-grad forward over one minibatch (pi_old for minibatches after the
+               first, whose pi_old comes from its own gradient pass; the KL reference);
+  grad         one minibatch's forward + backward: saved activations, f32 logits (all T
+               completion positions, or `rl.logprob_chunk` of them at a time), grads.
 
 The peak is `state + max(rollout, eval, logp + update, grad + update)`. Parameters,
 optimizer state and the replay ring are exact (their shapes and the sharding rules, as
@@ -46,7 +48,7 @@ from rlx.sampler import paged
 
 # f32 [tokens, V] buffers: in the backward, logits, log-softmax, softmax (for its grad) and
 # the logits' gradient; in the pi_old forward, logits and log-softmax (measured, XLA:CPU).
-_LOGITS_GRAD_COPIES = 4
+_LOGITS_GRAD_COPIES = 2  # XLA:CPU, picked - logsumexp form: measured 2.0 (full) / 2.1 (chunked)
 _LOGITS_FWD_COPIES = 2
 PHASES = ("rollout", "eval", "logp", "grad")  # never live at the same time
 _LIVE_IN = {"state": PHASES, "rollout": ("rollout",), "eval": ("eval",),
@@ -343,34 +345,47 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   eval_local = _cdiv(int(s.eval_batch_size), nb)
   _dense_sampler(add, cfg, "eval sampler", eval_local, pw, t_new, "eval", c, _HINT_EVAL)
 
-  # ---- update.
+  # ---- update (rlx.train.update): log-probs only at the T completion positions, chunk by
+  # chunk; pi_old from the first minibatch's gradient pass (a forward pass runs only for the
+  # other minibatches, and for the KL reference), one minibatch live at a time.
+  rl_spec = spec.rl
   train_rows = int(rl.prompts_per_step) * g + (rep.num_samples if rep else 0)
   rows_dev = _cdiv(train_rows, nb)
   mb_rows = _cdiv(train_rows, int(rl.num_minibatches) * nb)
+  c_lp = min(rl_spec.logprob_chunk, t_new) if rl_spec.logprob_chunk else t_new
+  chunk_note = (f"chunk {c_lp} of T={t_new}" if c_lp < t_new else f"T={t_new}")
   logp_copies = 3 if loss.kl_coef > 0 else 2  # behaviour, old (and ref) log-probs
   per_row = pw * 4 + t_new * (4 + 4 * logp_copies + 1) + 12 * 4
   add("training batch (+ minibatch copy)", 2 * rows_dev * per_row,
       f"2 x {rows_dev} rows x (P*4 + T*{4 + 4 * logp_copies + 1} + 48)B", "update")
-  tokens_all = rows_dev * seq
-  # The layers' temporaries are dead before the logits exist: the peak is the larger.
-  one_layer = (tokens_all * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
-               + rows_dev * hq * seq * seq * 8)
-  add("pi_old forward (whole batch, no grad)",
-      max(tokens_all * V * 4 * _LOGITS_FWD_COPIES, one_layer) + tokens_all * d * c,
-      f"max({rows_dev} rows x S={seq} x V={V} x 4B x{_LOGITS_FWD_COPIES} (logits, "
-      "log-softmax), one layer) + hidden",
-      "logp", _HINT_PROMPTS, estimate=True)
+  forward_passes = []
+  if not rl_spec.fuse_pi_old or int(rl.num_minibatches) > 1:
+    forward_passes.append("pi_old")
+  if loss.kl_coef > 0:
+    forward_passes.append("reference")
+  one_layer = (mb_rows * seq * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
+               + mb_rows * hq * seq * seq * 8)
+  if forward_passes:
+    add(f"{' + '.join(forward_passes)} forward (one minibatch, no grad)",
+        max(mb_rows * c_lp * V * 4 * _LOGITS_FWD_COPIES, one_layer) + mb_rows * seq * d * c,
+        f"max({mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_FWD_COPIES}, one layer) "
+        "+ hidden", "logp", _HINT_MINIBATCH, estimate=True)
   add("gradients", params_dev, "= params (param dtype, reduce-scattered like params)",
       "grad", f"{_HINT_FSDP}; {_HINT_BF16}")
   per_tok, layer_formula = _layer_activation_bytes(cfg, seq)
   tokens_mb = mb_rows * seq
-  add("saved activations (backward)", tokens_mb * (L * per_tok + 2 * d * c + d * 4 + hq * seq * 8)
-      + mb_rows * seq * seq,
-      f"{mb_rows} rows x S={seq} x L={L} x {layer_formula} + one layer's score grads",
-      "grad", _HINT_MINIBATCH, estimate=True)
-  add(f"f32 logits x{_LOGITS_GRAD_COPIES} (minibatch)", tokens_mb * V * 4 * _LOGITS_GRAD_COPIES,
-      f"{mb_rows} rows x S={seq} x V={V} x 4B x{_LOGITS_GRAD_COPIES} (logits, log-softmax, "
-      "softmax, grad)", "grad", _HINT_MINIBATCH, estimate=True)
+  # rl.remat's saving (layer inputs kept, one layer rebuilt at a time) is left out: XLA:CPU's
+  # scheduler was measured to realise none of it, so the plan keeps the upper bound.
+  saved = tokens_mb * (L * per_tok + 2 * d * c + d * 4 + hq * seq * 8)
+  saved_formula = f"{mb_rows} rows x S={seq} x L={L} x {layer_formula}"
+  add("saved activations (backward)", saved + mb_rows * seq * seq,
+      saved_formula + " + one layer's score grads", "grad",
+      f"config.rl.remat=True (on TPU/GPU); {_HINT_MINIBATCH}", estimate=True)
+  add(f"f32 logits x{_LOGITS_GRAD_COPIES} (minibatch)",
+      mb_rows * c_lp * V * 4 * _LOGITS_GRAD_COPIES,
+      f"{mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_GRAD_COPIES} (logits, "
+      "logsumexp / its grad)", "grad",
+      f"config.rl.logprob_chunk (e.g. 128); {_HINT_MINIBATCH}", estimate=True)
   big_name, (big, big_split) = max(splits.items(), key=lambda kv: _nbytes(kv[1][0]))
   if big_split > 1:
     n = int(math.prod(big.shape))

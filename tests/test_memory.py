@@ -163,3 +163,47 @@ def test_the_kv_pool_line_follows_the_sampler_settings():
   assert page32.item("sampler KV pool (paged)").bytes == 2 * small.item(
       "sampler KV pool (paged)").bytes
   assert "config.sampler.num_pages" in small.item("sampler KV pool (paged)").hint
+
+
+def test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows():
+  """T = 1024 completion tokens, vocabulary 32k: XLA's own memory analysis of the compiled
+  update (CPU), chunked vs not, and the plan's figure for each (no safety margin)."""
+  import functools
+  from rlx.model import ModelConfig
+  from rlx.sampler.sampling import SamplingParams
+  v, t, p, rows = 32000, 1024, 16, 8
+  model = ModelConfig(vocab_size=v, num_layers=2, d_model=64, num_heads=2, num_kv_heads=1,
+                      head_dim=16, mlp_dim=128)
+  graphdef, abstract = transformer.abstract_params(model)
+  tx = train.make_optimizer(1e-3, 10)
+  sds = jax.ShapeDtypeStruct
+  i32, f32 = jax.numpy.int32, jax.numpy.float32
+  batch = train.Batch(
+      prompts=sds((rows, p), i32), prompt_lens=sds((rows,), i32),
+      completions=sds((rows, t), i32), behaviour_logp=sds((rows, t), f32),
+      lengths=sds((rows,), i32), truncated=sds((rows,), bool), rewards=sds((rows,), f32),
+      advantages=sds((rows,), f32), prompt_ids=sds((rows,), i32), difficulty=sds((rows,), i32),
+      policy_version=sds((rows,), i32))
+  ro = train.Rollouts(batch, {"ledger/tokens_discarded": sds((), f32)})
+  state = jax.eval_shape(lambda params: train.TrainState(
+      params=params, opt_state=tx.init(params), rng=jax.numpy.zeros((2,), jax.numpy.uint32),
+      step=jax.numpy.zeros((), i32), policy_version=jax.numpy.zeros((), i32)), abstract)
+
+  def xla_and_plan(chunk):
+    cfg = train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
+                           num_minibatches=1, loss=train.LossConfig(),
+                           sampling=SamplingParams(max_new_tokens=t), logprob_chunk=chunk)
+    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx),
+                 donate_argnums=0)
+    ma = fn.lower(state, ro).compile().memory_analysis()
+    config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
+                        "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
+                        "rl.logprob_chunk": chunk, "memory.activation_margin": 1.0})
+    planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
+    return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
+
+  full_xla, full_plan = xla_and_plan(0)
+  chunk_xla, chunk_plan = xla_and_plan(128)
+  assert full_xla >= 3 * chunk_xla, (full_xla, chunk_xla)
+  for xla, planned in ((full_xla, full_plan), (chunk_xla, chunk_plan)):
+    assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
