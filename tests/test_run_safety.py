@@ -26,6 +26,33 @@ def _env(**extra):
       [REPO, *extra.pop("path", []), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
+class _Run:
+  """`python -m rlx.main` in the background, stderr to a file (a pipe could fill and block it)."""
+
+  def __init__(self, args, log, env):
+    self.log = log
+    with open(log, "w") as f:
+      self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f, text=True,
+                                   cwd=REPO, env=env)
+
+  def stderr(self) -> str:
+    return self.log.read_text()
+
+  def wait_for(self, ready, timeout=300):
+    deadline = time.time() + timeout
+    while not ready():
+      assert self.proc.poll() is None, self.stderr()[-2000:]
+      assert time.time() < deadline, "timed out"
+      time.sleep(0.1)
+
+  def stop(self, sig=signal.SIGTERM, timeout=120) -> int:
+    try:
+      self.proc.send_signal(sig)
+      return self.proc.wait(timeout=timeout)
+    finally:
+      self.proc.kill()
+
+
 def _cli(workdir, *flags):
   return [sys.executable, "-m", "rlx.main", f"--config={ARITH}:runlocal",
           f"--workdir={workdir}", "--config.mesh.data=1", *flags]
@@ -60,24 +87,18 @@ def test_a_held_workdir_is_refused_naming_the_holder(tmp_path):
 
 def test_two_processes_cannot_both_run(tmp_path):
   wd = tmp_path / "wd"
-  first = subprocess.Popen(_cli(wd, "--config.total_steps=400", "--config.eval_every=400"),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           cwd=REPO, env=_env())
+  first = _Run(_cli(wd, "--config.total_steps=400", "--config.eval_every=400"),
+               tmp_path / "first.log", _env())
   try:
-    deadline = time.time() + 240
-    while not (wd / "base" / "rlx_base.json").exists():  # the first run is past its set-up
-      assert first.poll() is None, first.stderr.read()[-2000:]
-      assert time.time() < deadline
-      time.sleep(0.5)
+    first.wait_for((wd / "base" / "rlx_base.json").exists)  # the first run is past set-up
     second = subprocess.run(_cli(wd, "--config.seed=7"), capture_output=True, text=True,
                             timeout=300, cwd=REPO, env=_env())
     assert second.returncode == 2
-    assert f"in use by another rlx run (pid {first.pid}" in second.stderr
-    assert first.poll() is None  # the first run goes on
+    assert f"in use by another rlx run (pid {first.proc.pid}" in second.stderr
+    assert first.proc.poll() is None  # the first run goes on
   finally:
-    first.send_signal(signal.SIGTERM)
-    rc = first.wait(timeout=300)
-  assert rc == 75, first.stderr.read()[-2000:]
+    rc = first.stop(timeout=300)
+  assert rc == 75, first.stderr()[-2000:]
 
 
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
@@ -164,22 +185,13 @@ def test_sigterm_during_a_hung_reward_checkpoints_and_exits_75(tmp_path):
         return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
   """))
   wd, marker = tmp_path / "wd", tmp_path / "hanging"
-  proc = subprocess.Popen(
-      _cli(wd, "--config.task.reward=hang_reward:reward", "--config.eval_every=100",
-           "--config.total_steps=100", "--config.checkpoint_every=100"),
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
-      env=_env(path=[str(mods)], HANG_AFTER="3", HANG_MARKER=str(marker)))
-  try:
-    deadline = time.time() + 300
-    while not marker.exists():
-      assert proc.poll() is None, proc.stderr.read()[-2000:]
-      assert time.time() < deadline
-      time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=120)
-  finally:
-    proc.kill()
-  err = proc.stderr.read()
+  run = _Run(_cli(wd, "--config.task.reward=hang_reward:reward", "--config.eval_every=100",
+                  "--config.total_steps=100", "--config.checkpoint_every=100"),
+             tmp_path / "run.log",
+             _env(path=[str(mods)], HANG_AFTER="3", HANG_MARKER=str(marker)))
+  run.wait_for(marker.exists)
+  rc = run.stop()
+  err = run.stderr()
   assert rc == 75, err[-2000:]
   assert "stopped by SIGTERM after step 2" in err and "Traceback" not in err
   assert checkpoint.Checkpointer(str(wd)).latest_step() == 2
@@ -187,18 +199,9 @@ def test_sigterm_during_a_hung_reward_checkpoints_and_exits_75(tmp_path):
 
 def test_sigterm_before_the_rl_loop_exits_75(tmp_path):
   wd = tmp_path / "wd"
-  proc = subprocess.Popen(_cli(wd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, cwd=REPO, env=_env())
-  try:
-    deadline = time.time() + 300
-    while not (wd / "data").exists():  # set-up has begun (data preparation, then warm start)
-      assert proc.poll() is None, proc.stderr.read()[-2000:]
-      assert time.time() < deadline
-      time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=120)
-  finally:
-    proc.kill()
-  err = proc.stderr.read()
+  run = _Run(_cli(wd), tmp_path / "run.log", _env())
+  run.wait_for((wd / "data").exists)  # set-up has begun (data preparation, then warm start)
+  rc = run.stop()
+  err = run.stderr()
   assert rc == 75, err[-2000:]
   assert "stopped by SIGTERM before the first RL step" in err and "Traceback" not in err
