@@ -30,6 +30,7 @@ EXTRAS = {
     # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
     # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build.
     "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9"],
+    "peers": ["trl==1.16.0", "datasets>=3"],  # experiments/bench_peers.py: TRL's GRPOTrainer
 }
 
 setuptools.setup(

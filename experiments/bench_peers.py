@@ -1,0 +1,413 @@
+r"""Training-step time against a peer: rlx vs TRL's `GRPOTrainer`, same workload, one run.
+
+  python experiments/bench_peers.py --size=3m --steps=6 --out=/tmp/peers_3m.md
+  python experiments/bench_peers.py --size=100m --steps=5
+  python experiments/bench_peers.py --size=tiny --steps=2          # seconds: a smoke run
+  python experiments/bench_peers.py --size=3m --rlx_only           # rlx alone (no torch)
+
+The workload is TRL's / Tunix's GRPO smoke run: 4 prompts x G=8 samples, 128 new tokens at
+temperature 1, one optimizer step per training step (one minibatch, num_iterations=1), no KL
+(beta=0), f32, constant learning rate, on CPU. Both trainers start from the same random-init
+Llama directory written here (rlx.save_hf; transformers loads it unchanged), tokenize the same
+4 prompts with the same tokenizer.json (both must give the same ids: checked) and score with
+the same Python reward (`even_reward`). Hyper-parameters match: lr, Adam b1/b2, grad clip 1.0,
+clip eps 0.2 / 0.28, token-mean loss (TRL's "dapo"), group-std advantages; TRL without
+gradient checkpointing (rlx does not remat by default).
+
+Equal work: the tokenizer's EOS id is one past the model's vocabulary, so neither sampler can
+emit it and every completion is exactly 128 tokens on both sides (--eos_in_vocab puts EOS
+inside, then each side stops where it samples it); generated tokens per step are reported.
+
+Steps are interleaved (rlx step, TRL step, rlx step, ...: each rlx step runs in a TRL callback
+before TRL's step starts and outside its timing), so both see the same machine load. The first
+--warmup steps of each (compilation, lazy init) are dropped; the table shows medians of the
+--steps that follow. rlx: generation = sampling + decode + reward, update = the jitted
+score + update half. TRL: on_step_begin -> on_step_end of a TrainerCallback; its generation
+(`_generate_and_score_completions`) is timed inside. torch runs with 2 threads and
+OMP_WAIT_POLICY=PASSIVE, so its idle OpenMP threads do not spin while JAX works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch's OpenMP starts
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rlx  # noqa: E402
+from rlx import train, trainer  # noqa: E402
+from rlx.model.config import ModelConfig  # noqa: E402
+
+# Llama-shaped (silu MLP, GQA, RoPE, RMSNorm, tied embeddings); 3m and 100m are the shapes of
+# experiments/bench_sampler.py.
+MODELS = {
+    "tiny": ModelConfig(vocab_size=512, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
+                        head_dim=16, mlp_dim=128),
+    "3m": ModelConfig(vocab_size=4096, num_layers=4, d_model=192, num_heads=6, num_kv_heads=2,
+                      head_dim=32, mlp_dim=640),
+    "100m": ModelConfig(vocab_size=32000, num_layers=12, d_model=768, num_heads=12,
+                        num_kv_heads=4, head_dim=64, mlp_dim=2048),
+}
+PROMPTS = ("what is 12 + 7 ?", "what is 3 * 9 ?", "what is 40 - 8 ?", "what is 5 + 66 ?")
+ANSWERS = ("19", "27", "32", "71")
+SPECIALS = ("<pad>", "<unk>", "<s>")  # ids 0, 1, 2; EOS "</s>" is added last
+WORDS = ("what", "is", "+", "-", "*", "=", "?")
+
+
+def even_reward(prompts, completions, **unused) -> list[float]:
+  """Fraction of the completion's words that are even numbers (a toy reward with spread, so
+  GRPO groups have non-zero advantages); the same function scores both trainers."""
+  del prompts, unused
+  out = []
+  for text in completions:
+    words = text.split()
+    out.append(sum(w.isdigit() and int(w) % 2 == 0 for w in words) / max(len(words), 1))
+  return out
+
+
+# ============================================================================= shared inputs
+
+
+def write_tokenizer(directory: str, model_vocab: int, eos_in_vocab: bool = False) -> int:
+  """A WordLevel tokenizer.json (+ tokenizer_config.json) over words and the numbers 0..N.
+
+  Returns the EOS id: model_vocab (outside the model: never sampled) or model_vocab - 1.
+  """
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  n_numbers = model_vocab - len(SPECIALS) - len(WORDS) - int(eos_in_vocab)
+  pieces = list(SPECIALS) + list(WORDS) + [str(i) for i in range(n_numbers)] + ["</s>"]
+  vocab = {p: i for i, p in enumerate(pieces)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+  tok.add_special_tokens(list(SPECIALS) + ["</s>"])
+  tok.save(os.path.join(directory, "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+            "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+            "add_bos_token": True, "add_eos_token": False, "model_max_length": 4096}
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  return vocab["</s>"]
+
+
+def make_model_dir(directory: str, model_cfg: ModelConfig, *, seed: int = 0,
+                   eos_in_vocab: bool = False) -> None:
+  """Random-init Llama weights (rlx.save_hf) + the tokenizer, loadable by rlx and transformers."""
+  os.makedirs(directory, exist_ok=True)
+  _, params = rlx.init_params(model_cfg, seed)
+  rlx.save_hf(model_cfg, params, directory, architecture="LlamaForCausalLM")
+  eos = write_tokenizer(directory, model_cfg.vocab_size, eos_in_vocab)
+  ids = {"bos_token_id": 2, "pad_token_id": 0}
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  with open(path, "w") as f:  # eos null: transformers warns about one outside the vocabulary
+    json.dump({**config, **ids, "eos_token_id": None}, f, indent=2, sort_keys=True)
+  with open(os.path.join(directory, "generation_config.json"), "w") as f:
+    json.dump({**ids, "eos_token_id": eos}, f, indent=2)
+
+
+def check_tokenizers(directory: str) -> list[list[int]]:
+  """The prompts' ids, after checking that rlx and transformers give the same ones."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  ours = rlx.load_tokenizer(directory)
+  theirs = transformers.AutoTokenizer.from_pretrained(directory)
+  ids = [ours.encode(p, add_special_tokens=True) for p in PROMPTS]
+  ref = [theirs(p)["input_ids"] for p in PROMPTS]
+  same = (ids == ref and ours.eos_id == theirs.eos_token_id
+          and ours.pad_id == theirs.pad_token_id and ours.bos_id == theirs.bos_token_id)
+  if not same:
+    raise RuntimeError(f"rlx and transformers tokenize differently: {ids} (eos {ours.eos_id}, "
+                       f"pad {ours.pad_id}) vs {ref} (eos {theirs.eos_token_id}, pad "
+                       f"{theirs.pad_token_id}).")
+  return ids
+
+
+def write_prompts(directory: str) -> None:
+  """The 4 prompts as GSM8K-style JSONL (train and test), rlx's local-file task format."""
+  os.makedirs(directory, exist_ok=True)
+  for name in ("train.jsonl", "test.jsonl"):
+    with open(os.path.join(directory, name), "w") as f:
+      for q, a in zip(PROMPTS, ANSWERS):
+        f.write(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  prompts: int = 4
+  group_size: int = 8
+  max_new_tokens: int = 128
+  lr: float = 1e-6
+  b1: float = 0.9
+  b2: float = 0.999
+  grad_clip: float = 1.0
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  temperature: float = 1.0
+  seed: int = 0
+
+
+# ============================================================================= rlx side
+
+
+def rlx_config(w: Workload, model_dir: str, data_dir: str, prompt_len: int, total_steps: int,
+               sampler: str):
+  """rlx's config for the workload (defaults otherwise: grpo advantages, token-mean loss)."""
+  return rlx.with_overrides(rlx.default_config(), {
+      "seed": w.seed, "total_steps": total_steps, "eval_every": total_steps,
+      "task.name": "gsm8k", "task.manual_dir": data_dir, "task.num_eval": len(PROMPTS),
+      "task.reward": f"{__name__}:even_reward",
+      "model.path": model_dir, "tokenizer.path": model_dir,
+      "model.dtype": "float32", "model.param_dtype": "float32",
+      "rl.prompts_per_step": w.prompts, "rl.group_size": w.group_size,
+      "rl.num_updates": 1, "rl.num_minibatches": 1, "rl.kl_coef": 0.0,
+      "rl.eps_low": w.eps_low, "rl.eps_high": w.eps_high,
+      "sampler.impl": sampler, "sampler.max_prompt_len": prompt_len,
+      "sampler.max_new_tokens": w.max_new_tokens, "sampler.temperature": w.temperature,
+      "optim.lr": w.lr, "optim.schedule": "constant", "optim.warmup_steps": 0,
+      "optim.weight_decay": 0.0, "optim.grad_clip": w.grad_clip, "optim.b1": w.b1,
+      "optim.b2": w.b2, "mesh.data": 1,
+  })
+
+
+class RlxStepper:
+  """One rlx training step per call (host-Python reward path, as `rlx.run` takes it)."""
+
+  def __init__(self, config, workdir: str):
+    self.setup = trainer.build(config, workdir, log=lambda s: None, devices=jax.devices()[:1])
+    self.reward = trainer.host_reward_fn(self.setup.spec)
+    self.pool = jax.device_put(self.setup.exp.train_pool, self.setup.fns.pool_sharding)
+    self.state = self.setup.state
+    self.rows = []  # (generation s, update s, generated tokens, mean reward, load)
+
+  def __call__(self) -> None:
+    s, load = self.setup, os.getloadavg()[0]
+    t0 = time.perf_counter()
+    self.state, batch, _ = s.fns.generate(self.state, self.pool)
+    rewards = trainer._host_rewards(  # pylint: disable=protected-access
+        batch.batch, s.exp, self.reward, s.mesh)
+    jax.block_until_ready(rewards)
+    width = train.rollout_width(batch, s.step_cfg)  # the bucketed width, as rlx.run uses
+    t1 = time.perf_counter()
+    self.state, m = s.fns.score_update(self.state, batch, rewards, width=width)
+    m = jax.device_get(m)
+    t2 = time.perf_counter()
+    self.rows.append((t1 - t0, t2 - t1, float(m["ledger/tokens_generated"]),
+                      float(np.mean(jax.device_get(rewards))), load))
+    print(f"  rlx step {len(self.rows) - 1}: {t1 - t0:.2f} + {t2 - t1:.2f} s", flush=True)
+
+
+# ============================================================================= TRL side
+
+
+def trl_available() -> bool:
+  return importlib.util.find_spec("trl") is not None
+
+
+def trl_config(w: Workload, out_dir: str, total_steps: int):
+  """TRL's GRPOConfig for the workload: one generation of prompts x G per optimizer step."""
+  import trl  # pylint: disable=g-import-not-at-top
+  return trl.GRPOConfig(
+      output_dir=out_dir, max_steps=total_steps, seed=w.seed,
+      per_device_train_batch_size=w.prompts * w.group_size, gradient_accumulation_steps=1,
+      num_generations=w.group_size, max_completion_length=w.max_new_tokens,
+      num_iterations=1, beta=0.0, epsilon=w.eps_low, epsilon_high=w.eps_high,
+      loss_type="dapo", scale_rewards="group", temperature=w.temperature, top_p=1.0, top_k=0,
+      learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+      adam_beta1=w.b1, adam_beta2=w.b2, max_grad_norm=w.grad_clip,
+      activation_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+      logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+      dataloader_num_workers=0)
+
+
+def run_trl(w: Workload, model_dir: str, out_dir: str, total_steps: int, before_step):
+  """Trains TRL's GRPOTrainer for total_steps; calls before_step() ahead of each (untimed).
+
+  Returns rows (step s, generation s, generated tokens, mean reward, load) per step.
+  """
+  import datasets  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  import trl  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(2)
+  torch.manual_seed(w.seed)
+  # TRL 1.16 still reads transformers' deprecated gradient_checkpointing names.
+  warnings.filterwarnings("ignore", message=".*deprecated and will be removed in v6.*")
+  gen_rows = []
+
+  class TimedGRPOTrainer(trl.GRPOTrainer):
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+      t0 = time.perf_counter()
+      out = super()._generate_and_score_completions(*args, **kwargs)
+      gen_rows.append((time.perf_counter() - t0, int(out["completion_mask"].sum())))
+      return out
+
+  class StepTimer(transformers.TrainerCallback):
+
+    def __init__(self):
+      self.rows, self.t0, self.load = [], 0.0, 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+      before_step()
+      self.load = os.getloadavg()[0]
+      self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+      self.rows.append((time.perf_counter() - self.t0, self.load))
+      print(f"  TRL step {len(self.rows) - 1}: {self.rows[-1][0]:.2f} s", flush=True)
+
+  rewards = []
+
+  class RewardLog(transformers.TrainerCallback):
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+      if logs and "reward" in logs:
+        rewards.append(float(logs["reward"]))
+
+  args = trl_config(w, out_dir, total_steps)
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+  data = datasets.Dataset.from_dict({"prompt": list(PROMPTS), "answer": list(ANSWERS)})
+  timer = StepTimer()
+  grpo = TimedGRPOTrainer(model=model, reward_funcs=even_reward, args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[timer, RewardLog()])
+  grpo.remove_callback(transformers.trainer_callback.PrinterCallback)
+  grpo.train()
+  if len(timer.rows) != total_steps or len(gen_rows) != total_steps:
+    raise RuntimeError(f"TRL ran {len(timer.rows)} steps ({len(gen_rows)} generations); "
+                       f"expected {total_steps}.")
+  rewards += [float("nan")] * (total_steps - len(rewards))
+  return [(t, g, n, r, load) for (t, load), (g, n), r in zip(timer.rows, gen_rows, rewards)]
+
+
+# ============================================================================= report
+
+
+def _median(xs) -> float:
+  return statistics.median(xs) if xs else float("nan")
+
+
+def report(size: str, params: int, rlx_rows, trl_rows, warmup: int, load_span) -> str:
+  r = rlx_rows[warmup:]
+  gen, upd = [x[0] for x in r], [x[1] for x in r]
+  step = [a + b for a, b in zip(gen, upd)]
+  rlx_step = _median(step)
+  head = ("| model | params | rlx step s (gen + update) | rlx gen tok/step | rlx gen tok/s "
+          "| TRL step s (gen + rest) | TRL gen tok/step | TRL gen tok/s | TRL / rlx step "
+          "| steps (each) | load rlx / TRL |")
+  sep = "|" + "---|" * 11
+  rlx_cell = f"{rlx_step:.2f} ({_median(gen):.2f} + {_median(upd):.2f})"
+  rlx_tok = _median([x[2] for x in r])
+  rlx_rate = _median([x[2] / x[0] for x in r])
+  if trl_rows:
+    t = trl_rows[warmup:]
+    trl_step, trl_gen = _median([x[0] for x in t]), _median([x[1] for x in t])
+    trl_cell = f"{trl_step:.2f} ({trl_gen:.2f} + {_median([x[0] - x[1] for x in t]):.2f})"
+    trl_tok = f"{_median([x[2] for x in t]):.0f}"
+    trl_rate = f"{_median([x[2] / x[1] for x in t]):.0f}"
+    ratio = f"**{trl_step / rlx_step:.2f}x**"
+    load = f"{_median([x[4] for x in r]):.1f} / {_median([x[4] for x in t]):.1f}"
+  else:
+    trl_cell = trl_tok = trl_rate = ratio = "-"
+    load = f"{_median([x[4] for x in r]):.1f} / -"
+  row = (f"| {size} | {params / 1e6:.2f}M | {rlx_cell} | {rlx_tok:.0f} | {rlx_rate:.0f} | "
+         f"{trl_cell} | {trl_tok} | {trl_rate} | {ratio} | {len(r)} | {load} |")
+  note = (f"\nMedians of {len(r)} steady steps each ({warmup} warm-up step(s) dropped); "
+          f"1-min load average {load_span[0]:.1f} before, {load_span[1]:.1f} after. "
+          f"Ratio > 1: rlx's step is faster. Each part is its own median, so the parts need not "
+          f"add up to the step.")
+  return "\n".join([head, sep, row]) + "\n" + note + "\n"
+
+
+def _per_step(rlx_rows, trl_rows) -> str:
+  lines = ["step  rlx gen s  rlx upd s  rlx tok  rlx reward  |  TRL step s  TRL gen s  TRL tok"
+           "  TRL reward"]
+  for i, (g, u, n, rew, _) in enumerate(rlx_rows):
+    line = f"{i:4d}  {g:9.2f}  {u:9.2f}  {n:7.0f}  {rew:10.3f}"
+    if trl_rows and i < len(trl_rows):
+      s, tg, tn, trew, _ = trl_rows[i]
+      line += f"  |  {s:10.2f}  {tg:9.2f}  {tn:7.0f}  {trew:10.3f}"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--size", choices=sorted(MODELS), default="3m")
+  p.add_argument("--steps", type=int, default=6, help="Timed steady steps of each trainer.")
+  p.add_argument("--warmup", type=int, default=1, help="Steps dropped first (compile, init).")
+  p.add_argument("--peers", default="trl" if trl_available() else "",
+                 help="'trl' or '' (default: trl if importable).")
+  p.add_argument("--rlx_only", action="store_true", help="Time rlx alone.")
+  p.add_argument("--sampler", default="paged", choices=("paged", "dense"), help="rlx sampler.")
+  p.add_argument("--eos_in_vocab", action="store_true",
+                 help="EOS the model can sample (completions may stop early, unequal work).")
+  p.add_argument("--workdir", default="", help="Scratch directory (default: a temp dir).")
+  p.add_argument("--out", default="", help="Also write the table (markdown) here.")
+  args = p.parse_args(argv)
+  peers = "" if args.rlx_only else args.peers
+  if peers not in ("", "trl"):
+    raise SystemExit(f"--peers={peers!r}; expected 'trl' or ''.")
+  if peers == "trl" and not trl_available():
+    raise SystemExit("--peers=trl needs TRL: pip install -e '.[peers]'.")
+  if args.steps < 1 or args.warmup < 0:
+    raise SystemExit(f"--steps={args.steps} --warmup={args.warmup}; expected >= 1 and >= 0.")
+
+  w = Workload()
+  model_cfg = MODELS[args.size]
+  total = args.steps + args.warmup
+  with contextlib.ExitStack() as stack:
+    root = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="rlx_peers_"))
+    model_dir, data_dir = os.path.join(root, "model"), os.path.join(root, "data")
+    make_model_dir(model_dir, model_cfg, seed=w.seed, eos_in_vocab=args.eos_in_vocab)
+    write_prompts(data_dir)
+    if peers:
+      ids = check_tokenizers(model_dir)
+    else:
+      tok = rlx.load_tokenizer(model_dir)
+      ids = [tok.encode(q, add_special_tokens=True) for q in PROMPTS]
+    prompt_len = max(map(len, ids))
+    print(f"model: Llama {args.size}, {model_cfg.num_params() / 1e6:.2f}M params (vocab "
+          f"{model_cfg.vocab_size}, {model_cfg.num_layers} layers, d_model {model_cfg.d_model}); "
+          f"workload: {w.prompts} prompts x G={w.group_size}, prompt {prompt_len} tokens, "
+          f"{w.max_new_tokens} new tokens, EOS {'in' if args.eos_in_vocab else 'outside'} the "
+          f"model's vocabulary; rlx sampler {args.sampler}; peer: {peers or 'none'}",
+          flush=True)
+    config = rlx_config(w, model_dir, data_dir, prompt_len, total, args.sampler)
+    rlx_step = RlxStepper(config, os.path.join(root, "rlx"))
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    trl_rows = None
+    if peers == "trl":
+      trl_rows = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step)
+    else:
+      for _ in range(total):
+        rlx_step()
+    load_after = os.getloadavg()[0]
+    print(f"\n{_per_step(rlx_step.rows, trl_rows)}\n(wall {time.perf_counter() - t0:.0f} s)\n")
+  table = report(args.size, model_cfg.num_params(), rlx_step.rows, trl_rows, args.warmup,
+                 (load_before, load_after))
+  print(table)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(table)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
