@@ -200,9 +200,9 @@ class RlxStepper:
     rewards = trainer._host_rewards(  # pylint: disable=protected-access
         batch.batch, s.exp, self.reward, s.mesh)
     jax.block_until_ready(rewards)
-    width = train.rollout_width(batch, s.step_cfg)  # the bucketed width, as rlx.run uses
+    shape = train.update_shape(batch, s.step_cfg, scored=False)  # as rlx.run does
     t1 = time.perf_counter()
-    self.state, m = s.fns.score_update(self.state, batch, rewards, width=width)
+    self.state, m = s.fns.score_update(self.state, batch, rewards, **shape)
     m = jax.device_get(m)
     t2 = time.perf_counter()
     self.rows.append((t1 - t0, t2 - t1, float(m["ledger/tokens_generated"]),

@@ -91,9 +91,9 @@ def main(_):
       jax.profiler.start_trace(_PROFILE.value)
     t0 = time.perf_counter()
     state, ro = fns.rollout(state, pool)
-    width = train.rollout_width(ro, cfg)  # waits for the rollout
+    shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
     t1 = time.perf_counter()
-    state, m = fns.update(state, ro, width=width)
+    state, m = fns.update(state, ro, **shape)
     m = jax.device_get(m)
     t2 = time.perf_counter()
     if i == 1 and _PROFILE.value:
@@ -101,7 +101,7 @@ def main(_):
       print(f"[bench_step] profile of step 1 written to {_PROFILE.value}")
     if i:  # step 0 compiles
       rows.append((t1 - t0, t2 - t1, float(m["ledger/tokens_generated"]),
-                   float(m["ledger/update_pad_frac"]), width))
+                   float(m["ledger/update_pad_frac"]), shape["width"]))
   gen, upd, toks, pad, widths = map(np.asarray, zip(*rows))
   reps = max(3, min(_STEPS.value, 8))
 

@@ -107,6 +107,7 @@ class StepConfig:
   remat: bool = False
   fuse_pi_old: bool = True
   update_buckets: int = 4
+  drop_zero_adv_rows: bool = True  # see `update_shape`
 
   @property
   def batch_size(self) -> int:
@@ -322,19 +323,34 @@ def update_width(max_len: int, max_new_tokens: int, buckets: int) -> int:
   return max_new_tokens
 
 
+def update_rows(signal_rows: int, total_rows: int, multiple: int = 1) -> int:
+  """Rows the update computes on: half the batch when at most half carries signal (and half
+  splits over `multiple` devices), else all of it. Two compiled sizes at most."""
+  half = total_rows // 2
+  if total_rows % 2 == 0 and half % multiple == 0 and signal_rows <= half:
+    return half
+  return total_rows
+
+
 def _trim(batch: Batch, width: int) -> Batch:
   return batch.replace(completions=batch.completions[:, :width],
                        behaviour_logp=batch.behaviour_logp[:, :width])
 
 
 def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
-           mesh: Mesh | None = None, width: int | None = None) -> tuple[TrainState, dict]:
+           mesh: Mesh | None = None, width: int | None = None,
+           rows: int | None = None) -> tuple[TrainState, dict]:
   """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch.
 
   width: completion columns the update computes on (static; `update_width` of the longest
     row, fresh or replayed); None = all of max_new_tokens. Columns past every row's length
     are padding: cutting them changes no result (the loss normaliser of
     seq_mean_token_sum_norm stays max_new_tokens) and saves their FLOPs.
+  rows: rows the update computes on (static; `update_shape`); None = all. With one
+    minibatch and no KL term a zero-advantage row adds exactly nothing to the gradient
+    (every per-token term is w * A * ratio), so the rows with signal are moved to the front
+    and only the first `rows` are computed on; the loss keeps the whole batch's row and
+    token counts as its normalisers, so the result is unchanged.
   pi_old (the proximal policy) is the current policy's log-prob before any update, so the
   first minibatch's gradient pass yields it (stop-gradient) at no cost (cfg.fuse_pi_old);
   only the other minibatches need a forward pass before the updates, and later passes over
@@ -349,6 +365,21 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   full_t = batch.completions.shape[1]
   if width is not None and width < full_t:
     batch = _trim(batch, width)
+  all_rows = batch.lengths.shape[0]
+  t = batch.completions.shape[1]
+  full_mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
+  norms = {}
+  order = None
+  if rows is not None and rows < all_rows:
+    if cfg.num_minibatches != 1 or cfg.loss.kl_coef > 0:
+      raise ValueError(f"update rows={rows} < {all_rows} needs one minibatch and no KL term.")
+    order = jnp.argsort(batch.advantages == 0, stable=True)[:rows]  # signal rows first
+    left_out = jnp.maximum((batch.advantages != 0).sum() - rows, 0)
+    norms = dict(norm_rows=all_rows, norm_tokens=full_mask.astype(jnp.float32).sum())
+    full_batch = batch
+    batch = jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch)
+    if mesh is not None:
+      batch = shd.constrain_batch(batch, mesh)
   m = cfg.num_minibatches
   logp_fn = functools.partial(completion_logprobs, graphdef,
                               temperature=cfg.sampling.policy_temperature,
@@ -373,7 +404,7 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     old = jnp.where(is_first, jax.lax.stop_gradient(logp), old_in)
     anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
     loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask, cfg.loss,
-                                ref, norm_len=full_t)
+                                ref, norm_len=full_t, **norms)
     return loss, (metrics, old)
 
   def minibatch_step(carry, xs):
@@ -408,12 +439,23 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["guard/skipped_updates"] = skipped
   old_logp = _unminibatch(pi_old)
-  t = batch.completions.shape[1]
   mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
+  computed = batch.lengths.shape[0] * (batch.prompts.shape[1] + t)
+  if order is not None:  # back to the whole batch's rows; rows left out have no pi_old
+    old_logp = jnp.zeros(full_mask.shape, jnp.float32).at[order].set(old_logp)
+    mask = jnp.zeros(full_mask.shape, bool).at[order].set(mask)
+    batch = full_batch
   real = (batch.prompt_lens + batch.lengths).astype(jnp.float32).sum()
   metrics["ledger/update_width"] = jnp.asarray(t, jnp.float32)
-  metrics["ledger/update_pad_frac"] = 1.0 - real / (batch.lengths.shape[0] *
-                                                    (batch.prompts.shape[1] + t))
+  metrics["ledger/update_rows"] = jnp.asarray(rows or all_rows, jnp.float32)
+  # Must be 0 (the host sizes `rows` from the signal count); the trainer checks it.
+  metrics["guard/signal_rows_left_out"] = (left_out if order is not None else
+                                           jnp.zeros((), jnp.int32)).astype(jnp.float32)
+  # Token slots the update computed on that were padding (cut columns and left-out rows are
+  # not computed, so they do not count).
+  metrics["ledger/update_pad_frac"] = 1.0 - jnp.minimum(
+      jnp.where(batch.advantages != 0, batch.prompt_lens + batch.lengths, 0).astype(
+          jnp.float32).sum() if order is not None else real, computed) / computed
   metrics.update(ledger(fresh, ro.stats, batch, mask, old_logp, replayed,
                         state.policy_version, cfg))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
@@ -550,31 +592,48 @@ class StepFns:
 
 
 def score_update(state: TrainState, ro: Rollouts, rewards, *, graphdef, cfg: StepConfig, tx,
-                 mesh: Mesh | None = None, width: int | None = None) -> tuple[TrainState, dict]:
+                 mesh: Mesh | None = None, width: int | None = None,
+                 rows: int | None = None) -> tuple[TrainState, dict]:
   """The update half for rewards computed on the host (see rlx.rewards)."""
   state, ro = score(state, ro, rewards, cfg=cfg, mesh=mesh)
-  return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh, width=width)
+  return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh, width=width,
+                rows=rows)
 
 
-def rollout_width(ro: Rollouts, cfg: StepConfig) -> int:
-  """The update's completion width for these rollouts (host side: reads two scalars)."""
-  longest = int(jax.device_get(ro.batch.lengths.max()))
+def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
+                 scored: bool = True) -> dict[str, int]:
+  """The update's static shape for these rollouts: {"width", "rows"} for `update` (host side:
+  reads a few scalars, so it waits for the rollout). scored=False (host rewards: the
+  advantages do not exist yet): the width only."""
+  b = ro.batch
+  longest, signal = jax.device_get((b.lengths.max(), (b.advantages != 0).sum()))
+  longest, signal = int(longest), int(signal)
+  total = b.lengths.shape[0]
   if "replay/ring_max_len" in ro.stats:
     longest = max(longest, int(jax.device_get(ro.stats["replay/ring_max_len"])))
-  return update_width(longest, cfg.sampling.max_new_tokens, cfg.update_buckets)
+  if cfg.replay is not None:
+    signal += cfg.replay.num_samples
+    total += cfg.replay.num_samples
+  shape = {"width": update_width(longest, cfg.sampling.max_new_tokens, cfg.update_buckets)}
+  if (scored and cfg.drop_zero_adv_rows and cfg.num_minibatches == 1 and
+      cfg.loss.kl_coef == 0):
+    shape["rows"] = update_rows(signal, total, num_batch_devices)
+  return shape
 
 
-class _ByWidth:
-  """One jitted function per update width (`update_width`: a bounded set of buckets)."""
+class _ByShape:
+  """One jitted function per static update shape (`update_shape`: at most update_buckets
+  widths x 2 row counts)."""
 
-  def __init__(self, make: Callable[[int | None], Callable]):
+  def __init__(self, make: Callable[..., Callable]):
     self._make = make
-    self._fns: dict[int | None, Callable] = {}
+    self._fns: dict[tuple, Callable] = {}
 
-  def __call__(self, *args, width: int | None = None):
-    if width not in self._fns:
-      self._fns[width] = self._make(width)
-    return self._fns[width](*args)
+  def __call__(self, *args, width: int | None = None, rows: int | None = None):
+    key = (width, rows)
+    if key not in self._fns:
+      self._fns[key] = self._make(width, rows)
+    return self._fns[key](*args)
 
   def _cache_size(self) -> int:
     return sum(fn._cache_size() for fn in self._fns.values())  # pylint: disable=protected-access
@@ -587,15 +646,15 @@ def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: Tra
   kw = dict(graphdef=graphdef, cfg=cfg, mesh=mesh)
   roll = jax.jit(functools.partial(rollout, **kw), donate_argnums=0,
                  in_shardings=(s_shard, rep), out_shardings=(s_shard, None))
-  upd = _ByWidth(lambda w: jax.jit(functools.partial(update, tx=tx, width=w, **kw),
-                                   donate_argnums=0, in_shardings=(s_shard, None),
-                                   out_shardings=(s_shard, rep)))
+  upd = _ByShape(lambda w, r: jax.jit(
+      functools.partial(update, tx=tx, width=w, rows=r, **kw), donate_argnums=0,
+      in_shardings=(s_shard, None), out_shardings=(s_shard, rep)))
   fused = jax.jit(functools.partial(train_step, tx=tx, **kw), donate_argnums=0,
                   in_shardings=(s_shard, rep), out_shardings=(s_shard, rep))
   gen = jax.jit(functools.partial(generate, **kw), donate_argnums=0,
                 in_shardings=(s_shard, rep), out_shardings=(s_shard, None, None))
-  sc_upd = _ByWidth(lambda w: jax.jit(functools.partial(score_update, tx=tx, width=w, **kw),
-                                      donate_argnums=0, in_shardings=(s_shard, None, None),
-                                      out_shardings=(s_shard, rep)))
+  sc_upd = _ByShape(lambda w, r: jax.jit(
+      functools.partial(score_update, tx=tx, width=w, rows=r, **kw), donate_argnums=0,
+      in_shardings=(s_shard, None, None), out_shardings=(s_shard, rep)))
   return StepFns(rollout=roll, update=upd, train_step=fused, generate=gen,
                  score_update=sc_upd, state_sharding=s_shard, pool_sharding=rep)

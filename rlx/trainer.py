@@ -53,7 +53,8 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       paged=spec.sampler.paged if spec.sampler.impl == "paged" else None,
       selection=spec.selection, replay=spec.replay, length=spec.length,
       reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
-      fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets)
+      fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
+      drop_zero_adv_rows=rl.drop_zero_adv_rows)
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -487,8 +488,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
           _preempt(saver, done, state, meta, stop)
         _fault("kill_after_rollout", step + 1)
         t1 = time.perf_counter()
-        state, m = fns.score_update(state, batch, rewards,
-                                    width=train.rollout_width(batch, setup.step_cfg))
+        state, m = fns.score_update(state, batch, rewards, **train.update_shape(
+            batch, setup.step_cfg, shd.batch_size_of(mesh), scored=False))
         m = jax.device_get(m)
         t_gen, t_upd = t1 - t0, time.perf_counter() - t1
       elif spec.fused_step:
@@ -497,13 +498,16 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
         t_gen, t_upd = time.perf_counter() - t0, 0.0
       else:
         state, batch = fns.rollout(state, pool)
-        width = train.rollout_width(batch, setup.step_cfg)  # waits for the rollout
+        shape = train.update_shape(batch, setup.step_cfg, shd.batch_size_of(mesh))  # waits
         _fault("kill_after_rollout", step + 1)
         t1 = time.perf_counter()
-        state, m = fns.update(state, batch, width=width)
+        state, m = fns.update(state, batch, **shape)
         m = jax.device_get(m)
         t_gen, t_upd = t1 - t0, time.perf_counter() - t1
       m = {k: float(v) for k, v in m.items()}
+      if m.get("guard/signal_rows_left_out", 0) > 0:  # a bug, never a data problem
+        raise RuntimeError(f"step {step + 1}: the update left out "
+                           f"{int(m['guard/signal_rows_left_out'])} rows with a learning signal.")
       _check_rewards(m, exp, spec)
       m["time/generate_s"] = t_gen
       m["time/update_s"] = t_upd

@@ -57,7 +57,7 @@ def _config(**kw):
   return train.StepConfig(**base)
 
 
-def _step(cfg, g, params, ro, width=None, seed=0):
+def _step(cfg, g, params, ro, width=None, seed=0, rows=None):
   mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
   # Plain SGD: parameters move linearly in the gradients (Adam's normalisation would magnify
   # f32 rounding in near-zero gradient entries to a full step).
@@ -68,7 +68,8 @@ def _step(cfg, g, params, ro, width=None, seed=0):
     ring = train.replay_lib.add(state.replay, ro.batch, ro.batch.advantages != 0,
                                 jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     state = state.replace(replay=ring, policy_version=jnp.ones((), jnp.int32))
-  fn = jax.jit(functools.partial(train.update, graphdef=g, cfg=cfg, tx=tx, width=width))
+  fn = jax.jit(functools.partial(train.update, graphdef=g, cfg=cfg, tx=tx, width=width,
+                                 rows=rows))
   new_state, metrics = fn(state, ro)
   return new_state.params, jax.device_get(metrics)
 
@@ -90,8 +91,7 @@ def test_fused_pi_old_and_cut_padding_equal_the_plain_update(case):
   assert ref_m["loss/policy"] != 0 and ref_m["grad_norm"] > 0  # the step learns something
   width = train.update_width(int(ro.batch.lengths.max()), T, 4)
   assert width == 16  # 13 tokens -> the 16-wide bucket (of 8, 16, 24): 8 padding columns cut
-  for cfg, w in ((dataclasses.replace(plain, fuse_pi_old=True), None),
-                 (dataclasses.replace(plain, fuse_pi_old=True), width),
+  for cfg, w in ((dataclasses.replace(plain, fuse_pi_old=True), width),
                  (dataclasses.replace(plain, logprob_chunk=5, remat=True), width)):
     got_params, got_m = _step(cfg, g, params, ro, w)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
@@ -102,6 +102,29 @@ def test_fused_pi_old_and_cut_padding_equal_the_plain_update(case):
     if w is not None:
       assert got_m["ledger/update_width"] == width
       assert got_m["ledger/update_pad_frac"] < ref_m["ledger/update_pad_frac"]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_leaving_out_zero_advantage_rows_changes_nothing(aggregation):
+  g, params, ro = _rollouts(seed=1)
+  adv = np.asarray(ro.batch.advantages).copy()
+  adv[::3] = 0.0  # 6 of 16 rows without signal (as in a zero-variance group)
+  adv[1::3] = 0.0  # 11 of 16
+  ro = ro._replace(batch=ro.batch.replace(advantages=jnp.asarray(adv)))
+  cfg = _config(loss=LossConfig(aggregation=aggregation))
+  shape = train.update_shape(ro, cfg)
+  assert shape == {"width": 16, "rows": 8}  # 5 signal rows <= half of 16
+  ref_params, ref_m = _step(cfg, g, params, ro)
+  got_params, got_m = _step(cfg, g, params, ro, **shape)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               ref_params, got_params)
+  np.testing.assert_allclose(got_m["loss/policy"], ref_m["loss/policy"], rtol=1e-5)
+  # The drift check covers the rows computed on (left-out rows have no pi_old).
+  assert 0 < got_m["ledger/logp_drift_max"] <= ref_m["ledger/logp_drift_max"] + 1e-6
+  assert got_m["ledger/update_rows"] == 8 and got_m["guard/signal_rows_left_out"] == 0
+  # Not taken where zero-advantage rows still matter (a KL term) or a minibatch split.
+  assert "rows" not in train.update_shape(ro, _config(loss=LossConfig(kl_coef=0.1)))
+  assert "rows" not in train.update_shape(ro, _config(num_minibatches=2))
 
 
 def test_fusing_pi_old_removes_a_forward_pass():

@@ -96,20 +96,24 @@ def importance_weights(old_logp, behaviour_logp, cap: float, mode: str):
   return jax.lax.stop_gradient(w), capped
 
 
-def aggregate(per_token_BxT, mask_BxT, mode: str, norm_len: int | None = None):
-  """norm_len: seq_mean_token_sum_norm's constant length (default: the array's T; the update
-  passes max_new_tokens when it computes on fewer columns)."""
+def aggregate(per_token_BxT, mask_BxT, mode: str, norm_len: int | None = None,
+              norm_rows: int | None = None, norm_tokens=None):
+  """norm_len / norm_rows / norm_tokens: the batch the mean is over when the update computes
+  on part of it (fewer columns: max_new_tokens; rows whose terms are all zero left out: the
+  full row and token counts). Defaults: the array's own T, rows and mask."""
   m = mask_BxT.astype(jnp.float32)
   x = per_token_BxT * m
+  rows = norm_rows or per_token_BxT.shape[0]
   if mode == "token_mean":
-    return x.sum() / jnp.maximum(m.sum(), 1.0)
+    return x.sum() / jnp.maximum(m.sum() if norm_tokens is None else norm_tokens, 1.0)
   if mode == "seq_mean_token_mean":
-    return jnp.mean(x.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0))
-  return x.sum() / (per_token_BxT.shape[0] * (norm_len or per_token_BxT.shape[1]))
+    return (x.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)).sum() / rows
+  return x.sum() / (rows * (norm_len or per_token_BxT.shape[1]))
 
 
 def policy_loss(logp_BxT, old_logp_BxT, behaviour_logp_BxT, advantages_B, mask_BxT,
-                cfg: LossConfig, ref_logp_BxT=None, *, norm_len: int | None = None):
+                cfg: LossConfig, ref_logp_BxT=None, *, norm_len: int | None = None,
+                norm_rows: int | None = None, norm_tokens=None):
   """Returns (loss scalar, metrics dict). All log-probs f32; mask bool/float [B, T]."""
   mask = mask_BxT.astype(jnp.float32)
   old_logp_BxT = jax.lax.stop_gradient(old_logp_BxT)
@@ -133,7 +137,7 @@ def policy_loss(logp_BxT, old_logp_BxT, behaviour_logp_BxT, advantages_B, mask_B
       raise ValueError("kl_coef > 0 needs reference log-probs (ref_logp_BxT).")
     kl = kl_estimate(logp_BxT, jax.lax.stop_gradient(ref_logp_BxT), cfg.kl_estimator)
     per_token = per_token + cfg.kl_coef * kl
-  loss = aggregate(per_token, mask, cfg.aggregation, norm_len)
+  loss = aggregate(per_token, mask, cfg.aggregation, norm_len, norm_rows, norm_tokens)
 
   n = jnp.maximum(mask.sum(), 1.0)
   mean = lambda x: (x * mask).sum() / n
