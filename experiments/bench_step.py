@@ -12,9 +12,10 @@ compilation and prints medians of:
   forward+backward value_and_grad of the policy loss over the batch
   optimizer        the optax update + apply
 with achieved FLOP/s (XLA's cost analysis of each compiled phase / its median time) against
-an f32 GEMM peak measured in the same process, and, for generation, the fraction of the
-memory-bandwidth roofline (params read once per decode step + the KV cache each sequence
-reads, at a copy bandwidth measured in the same process). --profile_dir writes a
+an f32 GEMM peak measured in the same process, and, for generation, the fraction of its
+roofline: the larger of the bandwidth time (params read once per decode step + the KV cache
+each sequence reads, at a copy bandwidth measured in the same process) and the compute time
+(2 x params FLOPs per generated token at the GEMM peak). --profile_dir writes a
 jax.profiler trace of one step (open with TensorBoard or Perfetto).
 
   python experiments/bench_step.py --config=experiments/arith.py --workdir=/tmp/rlx_arith
@@ -136,14 +137,17 @@ def main(_):
   peak = gemm_peak()
   bw = copy_bandwidth()
 
-  # Generation roofline: every decode step reads the params once; each sequence reads its KV.
+  # Generation roofline: every decode step reads the params once and each sequence its KV
+  # (bandwidth), and every generated token costs 2 x params FLOPs (compute); the larger.
+  # (XLA's cost analysis counts a while loop's body once, so the sampler's FLOPs are modelled.)
   lengths = np.asarray(ro.batch.lengths)
   plens = np.asarray(ro.batch.prompt_lens)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * jnp.dtype(
       model.compute_dtype).itemsize
   kv_bytes = kv_per_token * float(np.sum(lengths * plens + lengths * (lengths + 1) / 2))
-  roofline_s = (param_bytes * float(lengths.max()) + kv_bytes) / bw
+  gen_flops = 2.0 * model.num_params() * float(lengths.sum())
+  roofline_s = max((param_bytes * float(lengths.max()) + kv_bytes) / bw, gen_flops / peak)
 
   print(f"\nconfig: {cfg.prompts_per_step} prompts x G={cfg.group_size}, "
         f"max_new_tokens={cfg.sampling.max_new_tokens}, sampler={cfg.sampler_impl}, "
@@ -153,12 +157,17 @@ def main(_):
   print(f"machine (this process): f32 GEMM {peak / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s")
   print(f"{'phase':24s}{'median s':>10s}{'GFLOP':>10s}{'GFLOP/s':>10s}{'of GEMM':>9s}")
   print(f"{'generation (in step)':24s}{np.median(gen):10.3f}{'':>10s}{'':>10s}{'':>9s}  "
-        f"{roofline_s / np.median(gen):.0%} of the bandwidth roofline "
+        f"{roofline_s / np.median(gen):.0%} of the roofline "
         f"({roofline_s * 1e3:.1f} ms)")
   for name, (t, fl) in timed.items():
+    if name == "sampler alone":
+      fl = gen_flops
     rate = fl / t if t else 0.0
     print(f"{name:24s}{t:10.3f}{fl / 1e9:10.2f}{rate / 1e9:10.1f}{rate / peak:9.0%}")
-  print(f"{'update (in step)':24s}{np.median(upd):10.3f}")
+  upd_flops = timed["forward+backward"][1] + timed["optimizer"][1]
+  print(f"{'update (in step)':24s}{np.median(upd):10.3f}{upd_flops / 1e9:10.2f}"
+        f"{upd_flops / np.median(upd) / 1e9:10.1f}{upd_flops / np.median(upd) / peak:9.0%}  "
+        f"{np.median(upd) / (upd_flops / peak):.2f}x the GEMM roofline")
   print(f"{'step':24s}{np.median(gen + upd):10.3f}")
   print(f"generated tokens/step {np.median(toks):.0f}, generated tokens/s "
         f"{np.median(toks / gen):.0f}")
