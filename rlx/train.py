@@ -35,6 +35,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
+from rlx import distributed
 from rlx import sharding as shd
 from rlx.data.tasks import PromptPool, exact_match_reward
 from rlx.model import transformer
@@ -268,6 +269,9 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   if cfg.length.overlong_filter:
     advantages = jnp.where(batch.truncated, 0.0, advantages)
   batch = batch.replace(rewards=correct, advantages=advantages)
+  # What the host needs to size the update (`update_shape`), as replicated scalars.
+  stats["ledger/longest_row"] = batch.lengths.max().astype(jnp.float32)
+  stats["ledger/signal_rows"] = (advantages != 0).sum().astype(jnp.float32)
   if mesh is not None:
     batch = shd.constrain_batch(batch, mesh)
   return state, Rollouts(batch, stats)
@@ -606,11 +610,15 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
   reads a few scalars, so it waits for the rollout). scored=False (host rewards: the
   advantages do not exist yet): the width only."""
   b = ro.batch
-  longest, signal = jax.device_get((b.lengths.max(), (b.advantages != 0).sum()))
-  longest, signal = int(longest), int(signal)
+  if "ledger/longest_row" in ro.stats:  # from `score`: replicated scalars
+    longest = int(distributed.to_host(ro.stats["ledger/longest_row"]))
+    signal = int(distributed.to_host(ro.stats["ledger/signal_rows"]))
+  else:
+    longest = int(distributed.to_host(b.lengths).max())
+    signal = int((distributed.to_host(b.advantages) != 0).sum())
   total = b.lengths.shape[0]
   if "replay/ring_max_len" in ro.stats:
-    longest = max(longest, int(jax.device_get(ro.stats["replay/ring_max_len"])))
+    longest = max(longest, int(distributed.to_host(ro.stats["replay/ring_max_len"])))
   if cfg.replay is not None:
     signal += cfg.replay.num_samples
     total += cfg.replay.num_samples
