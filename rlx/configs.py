@@ -178,6 +178,7 @@ class RLSpec:
   remat: bool
   fuse_pi_old: bool
   update_buckets: int
+  drop_zero_adv_rows: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,7 +373,8 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
                 num_minibatches=rl.num_minibatches, loss=loss,
                 logprob_chunk=_int(config, "rl.logprob_chunk", 0, MAX_TOKENS),
                 remat=bool(rl.remat), fuse_pi_old=bool(rl.fuse_pi_old),
-                update_buckets=_int(config, "rl.update_buckets", 1, 64)),
+                update_buckets=_int(config, "rl.update_buckets", 1, 64),
+                drop_zero_adv_rows=bool(rl.drop_zero_adv_rows)),
       selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
       guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config))
 
@@ -583,6 +585,9 @@ def defaults() -> mlc.ConfigDict:
   c.rl.remat = False
   c.rl.fuse_pi_old = True
   c.rl.update_buckets = 4
+  # With one minibatch and no KL term, zero-advantage rows add nothing to the gradient: the
+  # update then computes on half the rows when at most half carry signal (same result).
+  c.rl.drop_zero_adv_rows = True
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()
