@@ -91,6 +91,7 @@ class TaskSpec:
   manual_dir: str
   num_eval: int
   rl_levels: tuple[int, ...]
+  rl_level_weights: tuple[tuple[int, float], ...]  # (level, share of the RL pool); () = as is
   band: tuple[int, ...]
   eval_levels: tuple[int, ...]
   data_dir: str
@@ -135,6 +136,7 @@ class SFTSpec:
   warmup_steps: int
   max_len: int
   level_weights: tuple[tuple[int, float], ...]
+  batch_by_level: bool = False
 
   def as_record(self) -> dict[str, Any]:
     """As stored with a warm-start base (the ConfigDict's JSON form)."""
@@ -328,16 +330,10 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
   _int(config, "sft.steps", 0)
   _int(config, "sft.warmup_steps", 0)
   _number(config, "sft.lr", 0, lo_open=True)
-  try:
-    weights = tuple(sorted((int(k), float(v)) for k, v in dict(sft.level_weights).items()))
-  except (TypeError, ValueError):
-    raise ConfigError(f"config.sft.level_weights={dict(sft.level_weights)!r}; expected "
-                      f"{{'level': weight}} with integer levels and numeric weights.") from None
-  _need(all(w >= 0 for _, w in weights) and any(w > 0 for _, w in weights),
-        f"config.sft.level_weights={dict(sft.level_weights)!r}; expected non-negative weights, "
-        f"at least one positive.")
+  weights = _level_weights(config, "sft.level_weights")
   sft_spec = SFTSpec(steps=sft.steps, batch_size=sft.batch_size, lr=float(sft.lr),
-                     warmup_steps=sft.warmup_steps, max_len=sft.max_len, level_weights=weights)
+                     warmup_steps=sft.warmup_steps, max_len=sft.max_len, level_weights=weights,
+                     batch_by_level=bool(sft.batch_by_level))
 
   g = config.guard
   _int(config, "guard.max_consecutive_skips", 1)
@@ -387,6 +383,22 @@ def _ints(config, key: str) -> tuple[int, ...]:
     raise ConfigError(f"config.{key}={value!r}; expected a tuple of integers.") from None
 
 
+def _level_weights(config, key: str, *, allow_empty: bool = False
+                   ) -> tuple[tuple[int, float], ...]:
+  """{'level': weight} as sorted (level, weight) pairs: weights >= 0, at least one > 0."""
+  value = dict(_get(config, key))
+  if not value and allow_empty:
+    return ()
+  try:
+    weights = tuple(sorted((int(k), float(v)) for k, v in value.items()))
+  except (TypeError, ValueError):
+    raise ConfigError(f"config.{key}={value!r}; expected {{'level': weight}} with integer "
+                      f"levels and numeric weights.") from None
+  _need(all(w >= 0 for _, w in weights) and any(w > 0 for _, w in weights),
+        f"config.{key}={value!r}; expected non-negative weights, at least one positive.")
+  return weights
+
+
 def _task_spec(config) -> TaskSpec:
   from rlx.data import registry  # pylint: disable=g-import-not-at-top  (registry imports us)
   t = config.task
@@ -404,6 +416,7 @@ def _task_spec(config) -> TaskSpec:
       teacher_verbose_levels=_ints(config, "task.teacher_verbose_levels"),
       teacher_verbose_rate=float(t.teacher_verbose_rate), seed=t.seed, manual_dir=t.manual_dir,
       num_eval=t.num_eval, rl_levels=_ints(config, "task.rl_levels"),
+      rl_level_weights=_level_weights(config, "task.rl_level_weights", allow_empty=True),
       band=_ints(config, "task.band"), eval_levels=_ints(config, "task.eval_levels"),
       data_dir=t.data_dir, instruction=t.instruction or "{prompt}",
       reward=t.reward or task.reward, reward_timeout_s=float(t.reward_timeout_s))
@@ -514,6 +527,9 @@ def defaults() -> mlc.ConfigDict:
   c.task.manual_dir = ""  # gsm8k / math: the directory holding the JSONL files
   c.task.num_eval = 0  # gsm8k / math: cap on held-out examples (0: all)
   c.task.rl_levels = ()  # difficulty levels RL trains on (empty: all)
+  # Share of each level in the RL prompt pool, {"level": weight} (empty: every train example of
+  # rl_levels once); the pool keeps its size, levels short of examples repeat them.
+  c.task.rl_level_weights = {}
   c.task.band = ()  # levels whose accuracy is the headline (empty: all)
   c.task.eval_levels = ()  # levels of the held-out set to evaluate (empty: all)
   c.task.data_dir = ""  # where TFDS prepares the data (empty: WORKDIR/data)
@@ -558,6 +574,9 @@ def defaults() -> mlc.ConfigDict:
   c.sft.warmup_steps = 100
   c.sft.max_len = 20
   c.sft.level_weights = {"2": 1.0, "3": 1.0, "4": 1.0}  # sampling weight per level
+  # Each batch from one level (drawn by level_weights), cut to that level's longest example:
+  # with long worked solutions most of a mixed batch would be padding.
+  c.sft.batch_by_level = False
 
   c.rl = mlc.ConfigDict()
   c.rl.prompts_per_step = 16

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy decoding over the eval pool, accuracy per difficulty level."""
+"""Held-out evaluation: greedy decoding over the eval pool, accuracy and completion lengths
+per difficulty level."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from jax.sharding import Mesh
 
 from rlx import distributed
 from rlx import sharding as shd
-from rlx.data.tasks import PromptPool, exact_match_reward
+from rlx.data.tasks import PromptPool, Verifier
 from rlx.sampler import dense
 from rlx.sampler.sampling import SamplingParams
 
@@ -20,15 +21,17 @@ from rlx.sampler.sampling import SamplingParams
 class Evaluator:
   """Greedy pass@1 on a fixed pool, in fixed-size batches (compiled once).
 
-  Scored by the task's jnp verifier, or by `host_reward` (a checked Python reward, see
-  rlx.rewards) given the decoded completions, `host` examples and `tokenizer`.
+  Scored by the task's jnp `verifier` (rlx.data.tasks.Verifier; default exact match), or by
+  `host_reward` (a checked Python reward, see rlx.rewards) given the decoded completions,
+  `host` examples and `tokenizer`. `band`: levels whose completions also get pooled length
+  metrics (`eval/band_len_mean`, `eval/band_correct_len_mean`).
   `show_progress` draws a progress bar over the batches on stderr (long evaluations);
   `check_stop` is called before each batch (it raises to abandon the evaluation).
   """
 
   def __init__(self, graphdef, pool: PromptPool, sp: SamplingParams, batch_size: int,
-               mesh: Mesh, *, host_reward=None, host=None, tokenizer=None,
-               show_progress: bool = False, check_stop=None):
+               mesh: Mesh, *, verifier: Verifier | None = None, band=(), host_reward=None,
+               host=None, tokenizer=None, show_progress: bool = False, check_stop=None):
     self.show_progress = show_progress
     self.check_stop = check_stop
     self.host_reward = host_reward
@@ -36,6 +39,9 @@ class Evaluator:
     self.tokenizer = tokenizer
     self.sp = sp
     self.mesh = mesh
+    verifier = verifier or Verifier()
+    self.verifier = verifier
+    self.band = tuple(int(l) for l in band)
     n = pool.size
     self.n = n
     self.batch_size = min(batch_size, -(-n // shd.batch_size_of(mesh)) * shd.batch_size_of(mesh))
@@ -52,12 +58,17 @@ class Evaluator:
       ro = dense.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, sp)
       if host_reward is not None:
         return ro.tokens, ro.lengths
-      return exact_match_reward(ro.tokens, answers, answer_lens)
+      return verifier(ro.tokens, answers, answer_lens), ro.lengths
 
     self._run = run
     self._graphdef = graphdef
 
   def scores(self, params) -> np.ndarray:
+    """The reward of each eval example's greedy completion."""
+    return self.scores_and_lengths(params)[0]
+
+  def scores_and_lengths(self, params) -> tuple[np.ndarray, np.ndarray]:
+    """(reward, completion length in tokens incl. the stop token) per eval example."""
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
     out = []
     p = self.pool
@@ -75,20 +86,35 @@ class Evaluator:
         if self.show_progress:  # count finished batches, not dispatched ones
           jax.block_until_ready(out[-1])
         bar.update(1)
-    if self.host_reward is None:
-      return np.concatenate([distributed.to_host(x) for x in out])[:self.n]
-    tokens = np.concatenate([distributed.to_host(t) for t, _ in out])[:self.n]
     lengths = np.concatenate([distributed.to_host(l) for _, l in out])[:self.n]
+    if self.host_reward is None:
+      return np.concatenate([distributed.to_host(s) for s, _ in out])[:self.n], lengths
+    tokens = np.concatenate([distributed.to_host(t) for t, _ in out])[:self.n]
     texts = [self.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
     h = self.host
     return np.asarray(self.host_reward(list(h.prompts), texts, answer=list(h.answers),
-                                       difficulty=[int(d) for d in h.difficulty]))
+                                       difficulty=[int(d) for d in h.difficulty])), lengths
 
   def __call__(self, params) -> dict[str, float]:
-    s = self.scores(params)
-    metrics = {"eval/accuracy": float(s.mean())}
-    for level in np.unique(self.difficulty):
-      metrics[f"eval/accuracy_d{int(level)}"] = float(s[self.difficulty == level].mean())
+    """Accuracy, mean completion length and mean length of the correct completions (reward
+    > 0; NaN when none is), overall and per level (`_d<level>`)."""
+    s, lengths = self.scores_and_lengths(params)
+    lengths = lengths.astype(np.float64)
+    metrics = {}
+    groups = [("eval/accuracy", "eval/len_mean", "eval/correct_len_mean",
+               np.ones_like(self.difficulty, bool))]
+    groups += [(f"eval/accuracy_d{int(l)}", f"eval/len_mean_d{int(l)}",
+                f"eval/correct_len_mean_d{int(l)}", self.difficulty == l)
+               for l in np.unique(self.difficulty)]
+    in_band = np.isin(self.difficulty, self.band)
+    if self.band and in_band.any():
+      groups.append((None, "eval/band_len_mean", "eval/band_correct_len_mean", in_band))
+    for acc_key, len_key, correct_key, sel in groups:
+      if acc_key:
+        metrics[acc_key] = float(s[sel].mean())
+      correct = lengths[sel & (s > 0)]
+      metrics[len_key] = float(lengths[sel].mean())
+      metrics[correct_key] = float(correct.mean()) if correct.size else float("nan")
     return metrics
 
   def completions(self, params, indices, tokenizer) -> list[tuple[str, str]]:

@@ -10,18 +10,15 @@ Base weights, in order of preference:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import logging
 import os
 import time
 from typing import Any
 
-import tensorflow_datasets as tfds
+import numpy as np
 
 from rlx import configs, distributed, sft, warm_start
-from rlx.data import arithmetic, tasks
+from rlx.data import registry, tasks
 from rlx.data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
@@ -43,36 +40,10 @@ class Experiment:
   base_source: str  # where the base weights came from (for the log)
 
 
-TASKS = ("arithmetic", "gsm8k", "math")
-
-
 def load_task(task: configs.TaskSpec, data_dir: str) -> tuple[list[dict], list[dict]]:
-  """(train examples, held-out examples), each {'prompt', 'answer', 'difficulty', ...}."""
-  tfds.disable_progress_bar()
-  logging.getLogger("absl").setLevel(logging.ERROR)
-  name = task.name
-  if name == "arithmetic":
-    with contextlib.redirect_stdout(io.StringIO()):  # TFDS prints "Downloading and preparing"
-      sources = arithmetic.build(warm_start.arithmetic_spec(task), data_dir)
-    return arithmetic.read_all(sources["train"]), arithmetic.read_all(sources["eval"])
-  if name in ("gsm8k", "math"):
-    from rlx.data import math_datasets  # pylint: disable=g-import-not-at-top
-    manual = task.manual_dir
-    if not manual:
-      raise configs.ConfigError(f"config.task.name={name!r} reads local JSONL files: set "
-                                f"config.task.manual_dir (see README, Datasets).")
-    with contextlib.redirect_stdout(io.StringIO()):
-      sources = math_datasets.build(name, manual, data_dir)
-    train = math_datasets.read_all(sources["train"]) if "train" in sources else []
-    held_out = math_datasets.read_all(sources["test"]) if "test" in sources else []
-    n_eval = task.num_eval
-    if not held_out:  # no test file: hold out the tail of train
-      n = n_eval or max(1, len(train) // 10)
-      train, held_out = train[:-n], train[-n:]
-    if n_eval:
-      held_out = held_out[:n_eval]
-    return train, held_out
-  raise configs.ConfigError(f"config.task.name={name!r}; expected one of {TASKS}.")
+  """(train examples, held-out examples) of the registered task config.task.name, each
+  {'prompt', 'answer', 'difficulty', ...} (rlx.data.registry)."""
+  return registry.load_examples(task, data_dir)
 
 
 def _resolve(path: str) -> str:
@@ -122,6 +93,8 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
   if not rl_ex:
     raise configs.ConfigError(f"config.task.rl_levels={task.rl_levels} selects no "
                               f"training example (task.levels={task.levels}).")
+  if task.rl_level_weights:
+    rl_ex = mix_levels(rl_ex, task.rl_level_weights, task.seed)
   max_p = spec.sampler.max_prompt_len
   max_a = spec.sampler.max_new_tokens
   fmt, special = prompt_formatter(spec, tokenizer)
@@ -136,6 +109,30 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
   return Experiment(spec=spec, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
                     base_params=params, train_pool=train_pool, train_host=train_host,
                     eval_pool=eval_pool, eval_host=eval_host, base_source=source)
+
+
+def mix_levels(examples: list[dict], weights, seed: int) -> list[dict]:
+  """The RL pool with each level's share of it set by `weights` ((level, weight) pairs): as
+  many examples as given, each level's drawn without replacement and repeated only when the
+  level has fewer than its share (levels of weight 0 or not named are left out)."""
+  by_level: dict[int, list[dict]] = {}
+  for e in examples:
+    by_level.setdefault(int(e["difficulty"]), []).append(e)
+  missing = [l for l, w in weights if w > 0 and l not in by_level]
+  if missing:
+    raise configs.ConfigError(f"config.task.rl_level_weights names levels {missing} with no RL "
+                              f"example (levels present: {sorted(by_level)}).")
+  total = sum(w for _, w in weights)
+  rng = np.random.default_rng(seed)
+  out = []
+  for level, w in weights:
+    if w <= 0:
+      continue
+    pool = by_level[level]
+    k = max(1, round(len(examples) * w / total))
+    order = np.concatenate([rng.permutation(len(pool)) for _ in range(-(-k // len(pool)))])
+    out += [pool[i] for i in order[:k]]
+  return out
 
 
 def prompt_formatter(spec: configs.RunSpec, tokenizer):
@@ -178,10 +175,10 @@ def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
         f"expected at least one of each (check task.levels and num_*_per_level).")
 
   model_path = spec.model.path
-  if not model_path and spec.task.name != "arithmetic":
+  if not model_path and not registry.get_task(spec.task.name).warm_start:
     raise configs.ConfigError(f"config.task.name={spec.task.name!r} needs a base model: set "
                               f"config.model.path to a Hugging Face checkpoint directory (the "
-                              f"built-in warm start exists only for 'arithmetic').")
+                              f"task has no teacher answers for the built-in warm start).")
   warm_dir = _resolve(spec.warm_start_dir)
   if warm_dir and not os.path.isdir(warm_dir):
     raise FileNotFoundError(f"config.warm_start.dir={warm_dir!r} is not a directory; expected a "
@@ -232,9 +229,13 @@ def _task_tokenizer(spec: configs.RunSpec, train_ex: list[dict], workdir: str) -
   texts = []
   for e in train_ex:
     texts.append(e["prompt"] + e["answer"])
-    if e.get("teacher_answer", e["answer"]) != e["answer"]:
-      texts.append(e["prompt"] + e["teacher_answer"])
-  tok = train_sentencepiece(texts, spec.tokenizer.vocab_size)
+    seen = {e["answer"]}
+    for key in ("solution", "teacher_answer"):  # worked solutions, the warm start's targets
+      if e.get(key, e["answer"]) not in seen:
+        seen.add(e[key])
+        texts.append(e["prompt"] + e[key])
+  tok = train_sentencepiece(texts, spec.tokenizer.vocab_size,
+                            symbols=registry.get_task(spec.task.name).tokenizer_symbols)
   os.makedirs(workdir, exist_ok=True)
   tok.save(path)
   return tok

@@ -69,21 +69,32 @@ def make_sft_step(graphdef, tx):
   return step
 
 
-def level_sampler(data: SFTData, weights: dict[int, float], seed: int):
-  """Yields example indices: level drawn by `weights`, example uniform within the level."""
+def level_sampler(data: SFTData, weights: dict[int, float], seed: int, *,
+                  by_level: bool = False):
+  """Draws batches of example indices: level drawn by `weights`, example uniform within the
+  level; by_level=True draws one level per batch (whose examples then share a length)."""
   rng = np.random.default_rng(seed)
   levels = sorted(weights)
-  by_level = {lv: np.flatnonzero(data.difficulty == lv) for lv in levels}
-  empty = [lv for lv in levels if by_level[lv].size == 0]
+  by_level_idx = {lv: np.flatnonzero(data.difficulty == lv) for lv in levels}
+  empty = [lv for lv in levels if by_level_idx[lv].size == 0]
   if empty:
     raise ValueError(f"SFT level weights name levels {empty} with no training examples.")
   probs = np.asarray([weights[lv] for lv in levels], np.float64)
   probs = probs / probs.sum()
 
   def draw(batch_size: int) -> np.ndarray:
+    if by_level:
+      return rng.choice(by_level_idx[levels[rng.choice(len(levels), p=probs)]], size=batch_size)
     lv = rng.choice(len(levels), size=batch_size, p=probs)
-    return np.asarray([rng.choice(by_level[levels[j]]) for j in lv], np.int64)
+    return np.asarray([rng.choice(by_level_idx[levels[j]]) for j in lv], np.int64)
   return draw
+
+
+def batch_width(lengths: np.ndarray, max_len: int, multiple: int = 32) -> int:
+  """Columns a batch needs: its longest sequence rounded up to `multiple` (a few shapes to
+  compile), at most max_len. The padding cut off changes no loss: the model is causal and
+  the loss masks padding."""
+  return min(max_len, -(-int(lengths.max()) // multiple) * multiple)
 
 
 def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
@@ -102,15 +113,16 @@ def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
   opt_state = tx.init(params)
   step = make_sft_step(graphdef, tx)
-  draw = level_sampler(data, weights, seed)
+  draw = level_sampler(data, weights, seed, by_level=c.batch_by_level)
   bar = tqdm(range(c.steps), desc="warm start", unit="step", dynamic_ncols=True,
              disable=not show_progress)
   for i in bar:
     if check_stop is not None:
       check_stop()
     idx = draw(c.batch_size)
-    params, opt_state, loss = step(params, opt_state, data.tokens[idx], data.loss_mask[idx],
-                                   data.lengths[idx])
+    width = batch_width(data.lengths[idx], c.max_len)
+    params, opt_state, loss = step(params, opt_state, data.tokens[idx, :width],
+                                   data.loss_mask[idx, :width], data.lengths[idx])
     if (i + 1) % 100 == 0 or i + 1 == c.steps:
       bar.set_postfix(loss=f"{float(loss):.4f}")
   return jax.device_get(params)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 
 from rlx import distributed
 from rlx import sharding as shd
-from rlx.data.tasks import PromptPool, exact_match_reward
+from rlx.data.tasks import PromptPool, Verifier
 from rlx.model import transformer
 from rlx.rl import advantages as adv_lib
 from rlx.rl import length as length_lib
@@ -109,6 +109,7 @@ class StepConfig:
   fuse_pi_old: bool = True
   update_buckets: int = 4
   drop_zero_adv_rows: bool = True  # see `update_shape`
+  verifier: Verifier = Verifier()  # the task's jnp reward (exact match, final answer, ...)
 
   @property
   def batch_size(self) -> int:
@@ -206,7 +207,7 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   if mesh is not None:
     chosen, keys, rows = shd.constrain_batch((chosen, keys, rows), mesh)
   ro = sample(graphdef, state.params, chosen.prompts, chosen.prompt_lens, keys, cfg, mesh)
-  rewards = exact_match_reward(ro.tokens, chosen.answers, chosen.answer_lens)
+  rewards = cfg.verifier(ro.tokens, chosen.answers, chosen.answer_lens)
   stats = {}
   if state.selector is not None:
     hist = selection.pass_rate_histogram(state.selector, ids)

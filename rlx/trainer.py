@@ -24,6 +24,7 @@ from rlx import checkpoint as ckpt_lib
 from rlx import configs, distributed, evaluate, experiment, memory, metrics as metrics_lib
 from rlx import tensorboard, train
 from rlx import sharding as shd
+from rlx.data import registry
 from rlx.workdir import WorkdirLock
 
 
@@ -54,7 +55,8 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       selection=spec.selection, replay=spec.replay, length=spec.length,
       reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
       fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
-      drop_zero_adv_rows=rl.drop_zero_adv_rows)
+      drop_zero_adv_rows=rl.drop_zero_adv_rows,
+      verifier=registry.verifier_for(spec.task, tokenizer))
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -435,7 +437,9 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       return _call_host_reward(lambda: host_reward(*args, **kwargs), name=reward_name,
                                timeout_s=spec.task.reward_timeout_s, stop=None)
   evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
-                                 spec.sampler.eval_batch_size, mesh, host_reward=eval_reward,
+                                 spec.sampler.eval_batch_size, mesh,
+                                 verifier=setup.step_cfg.verifier, band=spec.task.band,
+                                 host_reward=eval_reward,
                                  host=exp.eval_host, tokenizer=tok,
                                  show_progress=show_progress, check_stop=stop.check)
   band = spec.task.band

@@ -131,7 +131,9 @@ def tiny_evaluator(show_progress):
 def test_evaluator_shows_progress_over_its_batches(show, capsys):
   ev, params = tiny_evaluator(show)
   out = ev(params)
-  assert set(out) == {"eval/accuracy", "eval/accuracy_d0", "eval/accuracy_d1"}
+  assert set(out) == {f"eval/{k}{d}" for k in ("accuracy", "len_mean", "correct_len_mean")
+                      for d in ("", "_d0", "_d1")}
+  assert out["eval/len_mean"] == 2.0  # greedy to max_new_tokens=2 (the untrained model)
   err = capsys.readouterr().err
   if show:
     assert "eval:" in err and "/3 [" in err, err  # 6 prompts in batches of 2

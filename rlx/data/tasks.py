@@ -4,9 +4,15 @@ A prompt pool holds every prompt of a split as fixed-shape arrays so that the tr
 choose prompts on device:
   prompts   i32[N, P]  left-padded with pad ([BOS] + prompt tokens, right-aligned)
   prompt_lens i32[N]
-  answers   i32[N, A]  answer tokens + EOS, right-padded with pad
+  answers   i32[N, A]  final-answer tokens + EOS, right-padded with pad; A is the longest
+                       answer's length, not the completions' (a worked solution is long, its
+                       answer short)
   answer_lens i32[N]   (including EOS)
   difficulty i32[N]
+
+Verifiers (jnp, inside the jitted step; `Verifier` picks one by name):
+  exact_match   the whole completion is the answer followed by EOS
+  final_answer  the tokens after the last answer marker (e.g. "=>") are the answer + EOS
 """
 
 from __future__ import annotations
@@ -62,17 +68,17 @@ def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len
                   add_special_tokens: bool = True) -> tuple[PromptPool, HostExamples]:
   """Tokenizes examples ({'prompt', 'answer', 'difficulty'}) into a PromptPool (numpy).
 
-  Prompts get the tokenizer's special tokens (BOS) unless add_special_tokens=False (chat
+  The answers array is as wide as the longest answer (+ EOS); max_answer_len caps it (the
+  completions' length: a longer answer could never be generated). Prompts get the tokenizer's special tokens (BOS) unless add_special_tokens=False (chat
   templates already spell them out).
   """
   if not examples:
     raise ValueError(f"{task_name}: the dataset is empty; expected at least one example.")
   n = len(examples)
   prompts = np.full((n, max_prompt_len), tokenizer.pad_id, np.int32)
-  answers = np.full((n, max_answer_len), tokenizer.pad_id, np.int32)
   prompt_lens = np.zeros((n,), np.int32)
-  answer_lens = np.zeros((n,), np.int32)
   difficulty = np.zeros((n,), np.int32)
+  answer_ids = []
   for i, ex in enumerate(examples):
     p = tokenizer.encode(ex["prompt"], add_special_tokens=add_special_tokens)
     if len(p) > max_prompt_len:
@@ -87,9 +93,12 @@ def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len
           f"(with EOS), longer than the maximum answer length {max_answer_len}.")
     prompts[i, max_prompt_len - len(p):] = p
     prompt_lens[i] = len(p)
-    answers[i, :len(a)] = a
-    answer_lens[i] = len(a)
+    answer_ids.append(a)
     difficulty[i] = int(ex.get("difficulty", 0))
+  answers = np.full((n, max(map(len, answer_ids))), tokenizer.pad_id, np.int32)
+  answer_lens = np.asarray([len(a) for a in answer_ids], np.int32)
+  for i, a in enumerate(answer_ids):
+    answers[i, :len(a)] = a
   pool = PromptPool(prompts=prompts, prompt_lens=prompt_lens, answers=answers,
                     answer_lens=answer_lens, difficulty=difficulty)
   host = HostExamples(prompts=[ex["prompt"] for ex in examples],
@@ -110,3 +119,61 @@ def exact_match_reward(completions_BxT, answers_BxA, answer_lens_B):
   idx = jnp.arange(a)[None, :]
   ok = (completions_BxT[:, :a] == answers_BxA) | (idx >= answer_lens_B[:, None])
   return jnp.all(ok, axis=1).astype(jnp.float32)
+
+
+def final_answer_reward(completions_BxT, answers_BxA, answer_lens_B, marker: tuple[int, ...]):
+  """1.0 where the tokens after the last `marker` are the answer followed by EOS (jnp).
+
+  Only markers before the completion's first EOS count (the EOS is the answer's last token,
+  answers[answer_lens - 1]); a completion without a marker, with tokens between the answer and
+  EOS, or without EOS (truncated) scores 0. Fixed shapes throughout, so it runs inside jit.
+  """
+  b, t = completions_BxT.shape
+  a = answers_BxA.shape[1]
+  m = len(marker)
+  if m == 0:
+    raise ValueError("final_answer_reward: the marker is empty; expected its token ids.")
+  if t < m:
+    return jnp.zeros((b,), jnp.float32)
+  eos_B = jnp.take_along_axis(answers_BxA, (answer_lens_B - 1)[:, None], axis=1)[:, 0]
+  is_eos = completions_BxT == eos_B[:, None]
+  first_eos_B = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), t)
+  starts = jnp.arange(t - m + 1)
+  hit_BxS = jnp.ones((b, t - m + 1), bool)
+  for k, token in enumerate(marker):
+    hit_BxS &= completions_BxT[:, k:t - m + 1 + k] == token
+  hit_BxS &= starts[None, :] + m <= first_eos_B[:, None]
+  last_B = jnp.max(jnp.where(hit_BxS, starts[None, :], -1), axis=1)
+  idx_BxA = (last_B + m)[:, None] + jnp.arange(a)[None, :]
+  got_BxA = jnp.take_along_axis(completions_BxT, jnp.clip(idx_BxA, 0, t - 1), axis=1)
+  got_BxA = jnp.where(idx_BxA < t, got_BxA, -1)
+  ok = (got_BxA == answers_BxA) | (jnp.arange(a)[None, :] >= answer_lens_B[:, None])
+  return (jnp.all(ok, axis=1) & (last_B >= 0)).astype(jnp.float32)
+
+
+VERIFIERS = ("exact_match", "final_answer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verifier:
+  """A task's jnp verifier with its static settings (hashable: a jit static argument).
+
+    verifier(completions i32[B, T], answers i32[B, A], answer_lens i32[B]) -> f32[B]
+
+  kind "exact_match": the completion is the answer; "final_answer": the tokens after the last
+  `marker` (token ids) are (see `final_answer_reward`).
+  """
+
+  kind: str = "exact_match"
+  marker: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.kind not in VERIFIERS:
+      raise ValueError(f"verifier kind {self.kind!r}; expected one of {VERIFIERS}.")
+    if self.kind == "final_answer" and not self.marker:
+      raise ValueError("a final_answer verifier needs the marker's token ids; got none.")
+
+  def __call__(self, completions_BxT, answers_BxA, answer_lens_B):
+    if self.kind == "final_answer":
+      return final_answer_reward(completions_BxT, answers_BxA, answer_lens_B, self.marker)
+    return exact_match_reward(completions_BxT, answers_BxA, answer_lens_B)

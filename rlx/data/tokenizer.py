@@ -484,9 +484,15 @@ class Tokenizer(_Common):
     os.replace(tmp, path)
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int = 64) -> Tokenizer:
-  """BPE with digits split into single tokens (so numbers tokenize one digit per token)."""
+def train_sentencepiece(texts: Iterable[str], vocab_size: int = 64,
+                        symbols: Sequence[str] = ()) -> Tokenizer:
+  """BPE with digits split into single tokens (so numbers tokenize one digit per token).
+
+  symbols: strings that always encode as one token of their own, whatever surrounds them
+  (e.g. a task's final-answer marker, which a verifier then finds by its id).
+  """
   model = io.BytesIO()
+  extra = {"user_defined_symbols": list(symbols)} if symbols else {}
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(texts),
       model_writer=model,
@@ -499,6 +505,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int = 64) -> Tokenizer
       pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
       num_threads=1,
       minloglevel=2,
+      **extra,
   )
   return Tokenizer(model.getvalue())
 

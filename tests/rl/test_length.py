@@ -81,11 +81,12 @@ def test_group_length_reward_matches_a_hand_computed_table():
   from rlx.rl.length import group_length_reward
   # Group 0 (G=4): lengths 10, 20, 30, 50 -> lambda = .5 - (L - 10) / 40 = .5, .25, 0, -.5.
   # Group 1: all length 7 -> lambda 0 for everyone.
-  lengths = jnp.array([10, 20, 30, 50, 7, 7, 7, 7])
-  correct = jnp.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+  # Group 2: lengths as group 0, all wrong -> no length term (it would only rank wrong answers).
+  lengths = jnp.array([10, 20, 30, 50, 7, 7, 7, 7, 10, 20, 30, 50])
+  correct = jnp.array([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
   got = group_length_reward(lengths, correct, 4)
   # correct: lambda; wrong: min(0, lambda) (never rewarded for being short)
-  np.testing.assert_allclose(got, [0.5, 0.0, 0.0, -0.5, 0, 0, 0, 0], atol=1e-7)
+  np.testing.assert_allclose(got, [0.5, 0.0, 0.0, -0.5, 0, 0, 0, 0, 0, 0, 0, 0], atol=1e-7)
 
 
 def test_length_reward_enters_the_advantages_through_score():
