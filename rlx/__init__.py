@@ -20,7 +20,7 @@ cheap and `rlx.kernels` can be imported without the trainer's dependencies:
   rlx.generate_dense / generate_paged  the samplers (same Rollout output)
   rlx.SamplingParams, rlx.PagedConfig, rlx.ModelConfig
   rlx.make_report(workdir)             PNG plots + summary (python -m rlx.report)
-  rlx.export(workdir, out_dir)         a trained policy as a Hugging Face directory
+  rlx.export.export(workdir, out_dir)  a trained policy as a Hugging Face directory
                                        (python -m rlx.export WORKDIR OUT_DIR [--step N])
 """
 
@@ -50,7 +50,6 @@ _EXPORTS = {
     "PagedConfig": ("rlx.sampler.paged", "PagedConfig"),
     "ModelConfig": ("rlx.model.config", "ModelConfig"),
     "make_report": ("rlx.report", "make_report"),
-    "export": ("rlx.export", "export"),
 }
 
 __all__ = sorted(_EXPORTS) + ["load_config", "__version__"]

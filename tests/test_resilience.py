@@ -81,12 +81,16 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
   assert "Traceback" not in err
 
 
-def test_nonfinite_updates_are_skipped_and_stop_the_run(tmp_path):
-  # lr = NaN makes every update non-finite: each is skipped (params unchanged) and after
+def test_nonfinite_updates_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
+  # An optimizer with lr = NaN (the config refuses one, so it is patched in) makes every
+  # update non-finite: each is skipped (params unchanged) and after
   # guard.max_consecutive_skips steps the run stops with a clear error.
+  real = trainer.train.make_optimizer
+  monkeypatch.setattr(trainer.train, "make_optimizer",
+                      lambda lr, *a, **kw: real(float("nan"), *a, **kw))
   with pytest.raises(trainer.NumericError, match=r"3 consecutive steps \(up to step 3\) had a "
                      r"non-finite loss or gradient"):
-    trainer.run(runlocal_config(**{"optim.lr": float("nan"), "mesh.data": 1}), str(tmp_path),
+    trainer.run(runlocal_config(**{"mesh.data": 1}), str(tmp_path),
                 log=lambda s: None, show_progress=False, devices=jax.devices()[:1])
   lines = read_jsonl(tmp_path / "metrics.jsonl")
   assert [l["guard/skipped_updates"] for l in lines[1:]] == [1.0, 1.0, 1.0]
