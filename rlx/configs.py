@@ -13,6 +13,7 @@ from typing import Any
 import ml_collections as mlc
 
 from rlx.model.config import ModelConfig
+from rlx.model.lora import LoRAConfig
 from rlx.rl import advantages as adv_lib
 from rlx.rl.length import LengthConfig
 from rlx.rl.loss import LossConfig
@@ -244,6 +245,7 @@ class RunSpec:
   memory: MemorySpec
   mesh: MeshSpec
   record: dict[str, Any]  # the ConfigDict as JSON (config.json, checkpoint metadata)
+  lora: LoRAConfig | None = None  # None: full-parameter training
 
 
 def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
@@ -357,6 +359,7 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
           f"config.mesh.{axis}={v!r}; expected a positive integer"
           f"{' or -1 (the devices left over)' if axis == 'data' else ''}.")
   mesh = MeshSpec(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor)
+  lora = lora_config(config)
 
   return RunSpec(
       seed=int(config.seed), total_steps=config.total_steps, eval_every=config.eval_every,
@@ -372,7 +375,7 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
                 update_buckets=_int(config, "rl.update_buckets", 1, 64),
                 drop_zero_adv_rows=bool(rl.drop_zero_adv_rows)),
       selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
-      guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config))
+      guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config), lora=lora)
 
 
 def _ints(config, key: str) -> tuple[int, ...]:
@@ -468,6 +471,31 @@ def length_config(config: mlc.ConfigDict) -> LengthConfig:
     return LengthConfig(**dict(config.length))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.length: {e}") from None
+
+
+def lora_config(config: mlc.ConfigDict) -> LoRAConfig | None:
+  """config.lora as a LoRAConfig (None when rank is 0: full-parameter training)."""
+  if "lora" not in config:
+    return None
+  lc = config.lora
+  rank = _int(config, "lora.rank", 0)
+  if rank == 0:
+    return None
+  _number(config, "lora.alpha", 0, lo_open=True)
+  _need(float(lc.dropout) == 0.0,
+        f"config.lora.dropout={lc.dropout!r}: rlx's adapters have no dropout (RL updates see "
+        f"each rollout a few times at most); expected 0.")
+  _need(lc.base_dtype in ("", "float32", "bfloat16"),
+        f"config.lora.base_dtype={lc.base_dtype!r}; expected '' (the model's param dtype), "
+        f"'float32' or 'bfloat16'.")
+  _need(isinstance(lc.targets, str) and lc.targets.strip() != "",
+        f"config.lora.targets={lc.targets!r}; expected a regex over parameter paths such as "
+        f"'(q|v)_proj$' (paths look like 'layer_0/attn/q_proj').")
+  try:
+    return LoRAConfig(rank=rank, alpha=float(lc.alpha), targets=(lc.targets,),
+                      base_dtype=lc.base_dtype, merge_for_sampling=bool(lc.merge_for_sampling))
+  except ValueError as e:
+    raise ConfigError(f"config.lora: {e}") from None
 
 
 def paged_config(config: mlc.ConfigDict):
@@ -666,6 +694,16 @@ def defaults() -> mlc.ConfigDict:
   c.memory.device_bytes = 0  # per-device memory for the plan (0: ask the device / host RAM)
   c.memory.activation_margin = 1.2
   c.memory.check = True  # refuse to start a run whose plan does not fit
+
+  # LoRA (rlx.model.lora): adapters on the projections, the base frozen (and the KL reference
+  # for free). rank 0 = full-parameter training.
+  c.lora = mlc.ConfigDict()
+  c.lora.rank = 0
+  c.lora.alpha = 32.0  # the update is scaled by alpha / rank
+  c.lora.targets = r"(q|k|v|o|gate|up|down)_proj$"  # regex over paths like layer_0/attn/q_proj
+  c.lora.dropout = 0.0  # only 0 is supported
+  c.lora.base_dtype = ""  # frozen base dtype: "" (the model's) | float32 | bfloat16
+  c.lora.merge_for_sampling = True  # the sampler decodes with W + scale*A@B merged per step
 
   c.mesh = mlc.ConfigDict()
   c.mesh.data = -1  # -1: the devices left over

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from rlx.model.config import ModelConfig
+from rlx.model.lora import linear
 
 Params = dict[str, Any]
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -164,8 +165,7 @@ class Attention(nnx.Module):
 
   def _project(self, x, name, heads):
     cfg = self.cfg
-    w = getattr(self, f"{name}_proj")[...].astype(cfg.compute_dtype)
-    y = jnp.einsum("btd,de->bte", x, w)
+    y = linear("btd,de->bte", x, getattr(self, f"{name}_proj")[...], cfg.compute_dtype)
     if cfg.qkv_bias:
       y = y + getattr(self, f"{name}_bias")[...].astype(cfg.compute_dtype)
     return y.reshape(*x.shape[:2], heads, cfg.head_dim)
@@ -189,7 +189,7 @@ class Attention(nnx.Module):
       out, ctx = ctx.layer_attend(self.layer, q, k, v, pos_BxT, self.spec)
     b, t = x_BxTxD.shape[:2]
     out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return jnp.einsum("bte,ed->btd", out, self.o_proj[...].astype(cfg.compute_dtype)), ctx
+    return linear("bte,ed->btd", out, self.o_proj[...], cfg.compute_dtype), ctx
 
 
 class MLP(nnx.Module):
@@ -203,13 +203,13 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = self.cfg.compute_dtype
-    gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(dt))
-    up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(dt))
+    gate = linear("btd,df->btf", x, self.gate_proj[...], dt)
+    up = linear("btd,df->btf", x, self.up_proj[...], dt)
     if self.cfg.activation == "silu":
       act = jax.nn.silu(gate)
     else:
       act = jax.nn.gelu(gate, approximate=True)
-    return jnp.einsum("btf,fd->btd", act * up, self.down_proj[...].astype(dt))
+    return linear("btf,fd->btd", act * up, self.down_proj[...], dt)
 
 
 class Block(nnx.Module):
@@ -292,8 +292,8 @@ class Transformer(nnx.Module):
       w = self.embedding[...].astype(cfg.compute_dtype)
       logits = jnp.einsum("btd,vd->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
     else:
-      w = self.lm_head[...].astype(cfg.compute_dtype)
-      logits = jnp.einsum("btd,dv->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
+      logits = linear("btd,dv->btv", h_BxTxD, self.lm_head[...], cfg.compute_dtype,
+                      preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap is not None:
       logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     return logits

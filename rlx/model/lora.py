@@ -1,0 +1,216 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the transformer's projection matrices.
+
+A targeted weight W [in, out] gets A [in, r] and B [r, out]; the adapted layer computes
+
+    y = x W + (alpha / r) (x A) B
+
+with B = 0 at initialisation, so the adapted policy starts equal to the base. RL needs little
+capacity per update: policy-gradient RL with LoRA, even rank 1, matches full fine-tuning in
+controlled runs ("LoRA Without Regret", Thinking Machines, 2025), so a LoRA run keeps one frozen
+base and trains only the adapters (their optimizer state is all the Adam moments there are).
+
+Representation. Adapters are a nested dict mirroring the parameter tree, holding only the
+targeted leaves, each `{"a": A, "b": B}` (f32). Two ways to run the adapted model:
+
+  * `attach(base, adapters)`: the targeted leaves become `LoRAWeight(w, a, b, scale)` and the
+    model's projections take the unmerged low-rank path (rlx.model.transformer.linear). No
+    merged copy of any weight exists, and the backward computes no [in, out] weight gradient:
+    this is what the update runs.
+  * `merge(base, adapters)`: W + scale * A @ B materialised, once per rollout, for the
+    sampler: decoding then costs exactly what the full-parameter model costs per token (no
+    two extra skinny matmuls per projection per token), for one copy of the targeted weights
+    in the compute dtype while the rollout runs.
+
+With adapters off (`base` alone) the model is the frozen reference policy, so a KL term needs
+no second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+Params = dict[str, Any]
+
+# Every matrix the model multiplies activations by, as in Hugging Face / PEFT module names.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = (r"(q|k|v|o|gate|up|down)_proj$",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """rank: r; alpha: the update is scaled by alpha / r; targets: regexes over parameter paths
+  ("layer_0/attn/q_proj"); only projection matrices (and an untied lm_head) can be adapted.
+  base_dtype: dtype the frozen base is stored in ("" = the model's param dtype)."""
+
+  rank: int
+  alpha: float
+  targets: tuple[str, ...] = DEFAULT_TARGETS
+  base_dtype: str = ""
+  merge_for_sampling: bool = True
+
+  def __post_init__(self):
+    if not (isinstance(self.rank, int) and self.rank >= 1):
+      raise ValueError(f"LoRAConfig.rank={self.rank!r}; expected an int >= 1.")
+    if not (isinstance(self.alpha, (int, float)) and self.alpha > 0 and math.isfinite(
+        self.alpha)):
+      raise ValueError(f"LoRAConfig.alpha={self.alpha!r}; expected a positive number.")
+    if not self.targets:
+      raise ValueError("LoRAConfig.targets is empty; expected at least one regex over "
+                       "parameter paths, e.g. r'(q|v)_proj$'.")
+    for t in self.targets:
+      try:
+        re.compile(t)
+      except re.error as e:
+        raise ValueError(f"LoRAConfig.targets: {t!r} is not a regex ({e}).") from None
+
+  @property
+  def scale(self) -> float:
+    return float(self.alpha) / self.rank
+
+
+@struct.dataclass
+class LoRAWeight:
+  """A frozen weight with its adapter, as the model's projection sees it (see `linear`)."""
+
+  w: jax.Array  # [in, out] frozen base
+  a: jax.Array  # [in, r]
+  b: jax.Array  # [r, out]
+  scale: float = struct.field(pytree_node=False, default=1.0)
+
+  def __getitem__(self, index):  # nnx reads variables as `var[...]`
+    if index is not Ellipsis:
+      raise TypeError(f"LoRAWeight supports only [...] indexing, got {index!r}")
+    return self
+
+  @property
+  def shape(self):
+    return self.w.shape
+
+  @property
+  def dtype(self):
+    return self.w.dtype
+
+  def dense(self) -> jax.Array:
+    """W + scale * A @ B in W's dtype (the product in f32)."""
+    delta = jnp.dot(self.a.astype(jnp.float32), self.b.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+    return (self.w.astype(jnp.float32) + self.scale * delta).astype(self.w.dtype)
+
+
+def linear(eq: str, x, w, dtype, **kwargs):
+  """einsum(eq, x, w) for a projection weight w [in, out] (`eq` like "btd,de->bte"), taking
+  the unmerged low-rank path when w is a LoRAWeight."""
+  if not isinstance(w, LoRAWeight):
+    return jnp.einsum(eq, x, w.astype(dtype), **kwargs)
+  ins, out = eq.split("->")
+  xs, ws = ins.split(",")
+  i, o = ws
+  assert len(ws) == 2 and "r" not in eq, eq
+  y = jnp.einsum(eq, x, w.w.astype(dtype), **kwargs)
+  xr = xs.replace(i, "r")
+  xa = jnp.einsum(f"{xs},{i}r->{xr}", x, w.a.astype(dtype))
+  delta = jnp.einsum(f"{xr},r{o}->{out}", xa, w.b.astype(dtype), **kwargs)
+  return y + (w.scale * delta).astype(y.dtype)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _walk(tree, prefix=""):
+  for k, v in tree.items():
+    path = f"{prefix}/{k}" if prefix else str(k)
+    if isinstance(v, dict):
+      yield from _walk(v, path)
+    else:
+      yield path, v
+
+
+def target_paths(params: Params, cfg: LoRAConfig) -> list[str]:
+  """Parameter paths the adapters attach to; one ValueError if a target matches nothing or
+  matches a weight that is not a projection matrix."""
+  paths = []
+  matched = {t: 0 for t in cfg.targets}
+  for path, leaf in _walk(params):
+    hits = [t for t in cfg.targets if re.search(t, path)]
+    if not hits:
+      continue
+    for t in hits:
+      matched[t] += 1
+    name = path.rsplit("/", 1)[-1]
+    if name not in PROJECTIONS + ("lm_head",) or len(np.shape(leaf)) != 2:
+      raise ValueError(
+          f"LoRA target {hits[0]!r} matches {path!r} (shape {tuple(np.shape(leaf))}), which is "
+          f"not a projection matrix; adapters go on {PROJECTIONS + ('lm_head',)}.")
+    paths.append(path)
+  missing = [t for t, n in matched.items() if n == 0]
+  if missing:
+    raise ValueError(f"LoRA targets {missing} match no parameter; paths look like "
+                     f"'layer_0/attn/q_proj', 'layer_0/mlp/down_proj'.")
+  return paths
+
+
+def _get(tree, path):
+  for k in path.split("/"):
+    tree = tree[k]
+  return tree
+
+
+def _set(tree, path, value):
+  *parents, leaf = path.split("/")
+  for k in parents:
+    tree = tree.setdefault(k, {})
+  tree[leaf] = value
+
+
+def init_adapters(params: Params, cfg: LoRAConfig, seed: int = 0) -> Params:
+  """A [in, r] ~ N(0, 1/in) (so x A has unit scale), B = 0: the adapted model equals the base."""
+  adapters: Params = {}
+  key = jax.random.key(seed)
+  for n, path in enumerate(target_paths(params, cfg)):
+    d_in, d_out = np.shape(_get(params, path))
+    a = jax.random.normal(jax.random.fold_in(key, n), (d_in, cfg.rank), jnp.float32)
+    _set(adapters, path, {"a": a * d_in ** -0.5,
+                          "b": jnp.zeros((cfg.rank, d_out), jnp.float32)})
+  return adapters
+
+
+def adapter_paths(adapters: Params) -> list[str]:
+  return sorted({p.rsplit("/", 1)[0] for p, _ in _walk(adapters)})
+
+
+def attach(base: Params, adapters: Params, cfg: LoRAConfig) -> Params:
+  """The base tree with each adapted leaf replaced by a LoRAWeight (unmerged path)."""
+  out = jax.tree.map(lambda x: x, base)  # copy the dict structure, not the arrays
+  for path in adapter_paths(adapters):
+    ad = _get(adapters, path)
+    _set(out, path, LoRAWeight(_get(base, path), ad["a"], ad["b"], cfg.scale))
+  return out
+
+
+def merge(base: Params, adapters: Params, cfg: LoRAConfig) -> Params:
+  """The base tree with W + scale * A @ B at each adapted leaf (dense, W's dtype)."""
+  out = jax.tree.map(lambda x: x, base)
+  for path in adapter_paths(adapters):
+    ad = _get(adapters, path)
+    _set(out, path, LoRAWeight(_get(base, path), ad["a"], ad["b"], cfg.scale).dense())
+  return out
+
+
+def cast_base(base: Params, cfg: LoRAConfig) -> Params:
+  if not cfg.base_dtype:
+    return base
+  dt = jnp.dtype(cfg.base_dtype)
+  return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                      base)
+
+
+def num_params(adapters: Params) -> int:
+  return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(adapters)))
