@@ -28,8 +28,9 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.15", "nbclient>=0.10",
              "nbformat>=5.10", "ipykernel>=6.29"],
     # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
-    # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build.
-    "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9"],
+    # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build. peft
+    # loads the LoRA adapters rlx.export --peft writes (tests/model/test_lora_export.py).
+    "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9", "peft==0.21.2"],
     "peers": ["trl==1.16.0", "datasets>=3"],  # experiments/bench_peers.py: TRL's GRPOTrainer
 }
 

@@ -1,13 +1,23 @@
 r"""Exports a trained policy as a Hugging Face model directory.
 
   python -m rlx.export WORKDIR OUT_DIR [--step N] [--dtype bfloat16] [--force]
+  python -m rlx.export WORKDIR OUT_DIR --peft [--base_model NAME]   (LoRA runs)
 
 OUT_DIR gets config.json, model.safetensors (sharded above 5 GB) and the tokenizer files of
 the run's base model (config.model.path, config.tokenizer.path, or the built-in warm start's
 WORKDIR/base), so `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads the
-policy of checkpoint N (default: the latest). Only the params are read from the checkpoint,
-on the host; no accelerator is needed. A mistake exits with one line `rlx: error: ...`
-(status 2).
+policy of checkpoint N (default: the latest). Only the params (and a LoRA run's frozen base)
+are read from the checkpoint, on the host; no accelerator is needed. A mistake exits with one
+line `rlx: error: ...` (status 2).
+
+A LoRA run (config.lora.rank > 0; its checkpoint holds the adapters as `params` and the
+frozen base as `base`) is written merged by default: each adapted weight is W + alpha/r A @ B
+(summed in f32), a plain Hugging Face model like a full-parameter run's. With --peft, OUT_DIR
+instead gets a PEFT adapter directory (adapter_config.json, adapter_model.safetensors in f32
+unless --dtype, and the tokenizer files), megabytes instead of the whole model, which
+`peft.PeftModel.from_pretrained(base_model, OUT_DIR)` loads onto the base. Its
+base_model_name_or_path is the run's base model directory (config.model.path, or the warm
+start's base), or --base_model NAME (a directory or Hub id) when the base lives elsewhere.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from rlx.checkpoint import Checkpointer, CheckpointError
 from rlx.data.tokenizer import Tokenizer, load_tokenizer
 from rlx.model import hf
 from rlx.model.config import DTYPES, ModelConfig
+from rlx.model.lora import LoRAConfig
 
 
 def checkpoint_steps(workdir: str) -> list[int]:
@@ -45,8 +56,9 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return steps
 
 
-def _read_params(workdir: str, step: int) -> Any:
-  """The `params` of the TrainState saved at `step`, as numpy (nothing else is read)."""
+def _read_state(workdir: str, step: int, lora: LoRAConfig | None, need_base: bool) -> Any:
+  """The TrainState fields export needs, as numpy (nothing else is read): `params`, and for
+  a LoRA run (`lora` set) `base`, the frozen base params, when need_base."""
   path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
   ckptr = ocp.PyTreeCheckpointer()
   try:
@@ -55,7 +67,14 @@ def _read_params(workdir: str, step: int) -> Any:
     tree = getattr(tree, "tree", tree)
     if not isinstance(tree, dict) or "params" not in tree:
       raise CheckpointError(f"{path} holds no params; it was not written by rlx.")
-    item = {"params": tree["params"]}
+    has_base = bool(tree.get("base"))
+    if lora is not None and not has_base:
+      raise CheckpointError(f"{path} holds no frozen base (TrainState.base), yet the run's "
+                            f"config.lora.rank is {lora.rank}; it is not a LoRA checkpoint.")
+    if lora is None and has_base:
+      raise CheckpointError(f"{path} holds LoRA adapters and a frozen base, yet the run's "
+                            "config has no config.lora.rank > 0 saying how to apply them.")
+    item = {k: tree[k] for k in (("params", "base") if need_base else ("params",))}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
     out = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                                           partial_restore=True))
@@ -65,7 +84,21 @@ def _read_params(workdir: str, step: int) -> Any:
     first = " ".join(str(e).split())[:200]
     raise CheckpointError(f"Could not read the params of checkpoint {path} "
                           f"({type(e).__name__}: {first}).") from None
-  return out["params"]
+  return out
+
+
+def lora_config(config: dict[str, Any]) -> LoRAConfig | None:
+  """The run's LoRAConfig from its recorded config (None: a full-parameter run)."""
+  lc = config.get("lora") or {}
+  if not isinstance(lc, dict) or not lc.get("rank"):
+    return None
+  targets = lc.get("targets", r"(q|k|v|o|gate|up|down)_proj$")
+  try:
+    return LoRAConfig(rank=lc["rank"], alpha=float(lc.get("alpha", 0)),
+                      targets=(targets,) if isinstance(targets, str) else tuple(targets),
+                      base_dtype=lc.get("base_dtype", ""))
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"The run's config.lora is not usable ({e}).") from None
 
 
 def _expand(path: str) -> str:
@@ -97,10 +130,13 @@ def tokenizer_sources(workdir: str, config: dict[str, Any]) -> list[str]:
 
 
 def export(workdir: str, out_dir: str, step: int | None = None, force: bool = False,
-           dtype: str | None = None) -> str:
+           dtype: str | None = None, peft: bool = False, base_model: str | None = None) -> str:
   """Writes checkpoint `step` (default: latest) of an rlx run as a Hugging Face model directory.
 
-  dtype: of the tensors in the files (default: the run's param_dtype). Returns out_dir's path.
+  dtype: of the tensors in the files (default: the run's param_dtype; f32 for a PEFT
+  adapter). A LoRA run is merged into its base, unless peft: then out_dir is a PEFT adapter
+  directory whose base_model_name_or_path is base_model (default: the run's base model
+  directory). Returns out_dir's path.
   """
   steps = checkpoint_steps(workdir)
   if step is None:
@@ -121,7 +157,15 @@ def export(workdir: str, out_dir: str, step: int | None = None, force: bool = Fa
                           "not written by rlx.")
   model_cfg = ModelConfig.from_dict(meta["model"])
   config = meta.get("config") or {}
+  lora = lora_config(config)
+  if peft and lora is None:
+    raise ValueError(f"--peft writes LoRA adapters, but the run in {workdir} trained all "
+                     "parameters (config.lora.rank is 0); export it without --peft.")
+  if base_model is not None and not peft:
+    raise ValueError("--base_model names the base of a PEFT adapter; it needs --peft.")
   sources = tokenizer_sources(workdir, config)
+  if peft and base_model is None:
+    _check_base(sources[0], model_cfg)
 
   protected = [os.path.abspath(p) for p in [workdir, ckpt.directory] + sources]
   if out_dir in protected or out_dir.startswith(ckpt.directory + os.sep):
@@ -132,12 +176,40 @@ def export(workdir: str, out_dir: str, step: int | None = None, force: bool = Fa
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
     raise FileExistsError(f"OUT_DIR {out_dir} is not empty; pass --force to overwrite it.")
 
-  params = _read_params(workdir, step)
-  hf.save_hf(model_cfg, params, out_dir, dtype=dtype, source_dir=sources[0])
+  state = _read_state(workdir, step, lora, need_base=lora is not None and not peft)
+  if peft:
+    hf.save_peft_adapter(model_cfg, state["params"], lora, out_dir, dtype=dtype or "float32",
+                         base_model_name_or_path=base_model or os.path.abspath(sources[0]))
+    for source in sources:
+      _copy_tokenizer(source, out_dir)
+    return out_dir
+  if lora is None:
+    hf.save_hf(model_cfg, state["params"], out_dir, dtype=dtype, source_dir=sources[0])
+  else:  # the merged model: W + alpha/r A @ B
+    hf.save_hf(model_cfg, state["base"], out_dir, dtype=dtype, source_dir=sources[0],
+               adapters=state["params"], lora_cfg=lora)
   for extra in sources[1:]:  # config.tokenizer.path: a tokenizer file or directory
     _copy_tokenizer(extra, out_dir)
   _add_token_ids(out_dir, config)
   return out_dir
+
+
+_SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
+                 "mlp_dim", "tie_embeddings")
+
+
+def _check_base(base_dir: str, model_cfg: ModelConfig) -> None:
+  """A PEFT adapter names its base: that directory must hold the model that was trained."""
+  try:
+    theirs = hf.config_from_hf(hf.read_config(base_dir))
+  except (ValueError, OSError) as e:
+    raise ValueError(f"The run's base model {base_dir} is not a Hugging Face model rlx reads "
+                     f"({' '.join(str(e).split())}); pass --base_model.") from None
+  diffs = [f"{k} {getattr(theirs, k)!r} vs {getattr(model_cfg, k)!r}" for k in _SHAPE_FIELDS
+           if getattr(theirs, k) != getattr(model_cfg, k)]
+  if diffs:
+    raise ValueError(f"The run's base model {base_dir} is not the model in the checkpoint "
+                     f"({'; '.join(diffs[:3])}); pass --base_model.")
 
 
 def _copy_tokenizer(path: str, out_dir: str) -> None:
@@ -191,12 +263,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("out_dir", help="the Hugging Face directory to write (new or empty)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                      help="tensor dtype in the files (default: the run's param_dtype)")
+                      help="tensor dtype in the files (default: the run's param_dtype; "
+                      "float32 for --peft adapters)")
   parser.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+  parser.add_argument("--peft", action="store_true",
+                      help="LoRA runs: write a PEFT adapter directory (adapter_config.json + "
+                      "adapter_model.safetensors + tokenizer) instead of the merged model")
+  parser.add_argument("--base_model", default=None, metavar="NAME",
+                      help="with --peft: the adapter's base_model_name_or_path (a directory or "
+                      "Hub id; default: the run's base model directory)")
   args = parser.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on optional files
   try:
-    out = export(args.workdir, args.out_dir, step=args.step, force=args.force, dtype=args.dtype)
+    out = export(args.workdir, args.out_dir, step=args.step, force=args.force, dtype=args.dtype,
+                 peft=args.peft, base_model=args.base_model)
   except (CheckpointError, ValueError, OSError) as e:
     if os.environ.get("RLX_TRACEBACK"):
       raise

@@ -3,6 +3,11 @@
   cfg, params = load_hf("/ckpt/Qwen2.5-0.5B-Instruct", dtype="float32", mesh=mesh)
   save_hf(cfg, params, "/out/my-model", dtype="bfloat16", source_dir="/ckpt/Qwen2.5-0.5B-Instruct")
 
+LoRA runs (rlx.model.lora): `save_hf(cfg, base, out, adapters=adapters, lora_cfg=lora_cfg)` writes
+the merged model (W + alpha/r * A @ B); `save_peft_adapter(cfg, adapters, lora_cfg, out,
+base_model_name_or_path=...)` writes a PEFT adapter directory that `peft.PeftModel` loads onto
+the base.
+
 Supported architectures: Llama (1-3.x, incl. llama3 rope scaling), Qwen2/2.5, Qwen3 (dense),
 Gemma, Gemma 2, Gemma 3 text (`Gemma3ForCausalLM`, and the language model inside
 `Gemma3ForConditionalGeneration`; the vision tower is skipped).
@@ -23,6 +28,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 from typing import Any, Callable, Iterator, Mapping
 
@@ -33,6 +39,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from rlx import sharding as sharding_lib
+from rlx.model import lora as lora_lib
 from rlx.model import transformer
 from rlx.model.config import DTYPES, ModelConfig
 
@@ -853,18 +860,26 @@ def _to_host(x) -> np.ndarray:
 
 def save_hf(cfg: ModelConfig, params: Params, out_dir: str, *, architecture: str | None = None,
             dtype: str | None = None, max_shard_bytes: int = 5 * 10**9,
-            source_dir: str | None = None) -> None:
+            source_dir: str | None = None, adapters: Params | None = None,
+            lora_cfg: lora_lib.LoRAConfig | None = None) -> None:
   """Writes config.json + safetensors that `AutoModelForCausalLM.from_pretrained` loads.
 
   architecture: default inferred from cfg's switches (see `infer_family`). dtype: tensor
   dtype in the files (default cfg.param_dtype). Above max_shard_bytes the weights are split
   into model-0000i-of-0000n.safetensors plus model.safetensors.index.json. source_dir: a
   Hugging Face directory whose tokenizer / generation files and token ids are carried over.
-  In multi-process runs every process must call this; only process 0 writes.
+  adapters + lora_cfg (a LoRA run; params is then the frozen base): the merged model is
+  written, W + lora_cfg.scale * A @ B at each adapted weight, computed in f32 on the host one
+  tensor at a time (so a bf16 base loses nothing beyond its own rounding) and then cast to
+  dtype. In multi-process runs every process must call this; only process 0 writes.
   """
   dtype = dtype or cfg.param_dtype
   if dtype not in DTYPES:
     raise ValueError(f"save_hf: dtype={dtype!r}, expected one of {tuple(DTYPES)}.")
+  if (adapters is None) != (lora_cfg is None):
+    raise ValueError("save_hf: pass adapters and lora_cfg together (a LoRA run's merged "
+                     "export), or neither.")
+  merged = {} if adapters is None else _check_adapters(cfg, adapters, lora_cfg, "save_hf")
   hf_cfg = config_to_hf(cfg, architecture, dtype)
   np_dtype = np.dtype(DTYPES[dtype])
   expected = _param_paths(cfg)
@@ -898,21 +913,175 @@ def save_hf(cfg: ModelConfig, params: Params, out_dir: str, *, architecture: str
   def fetch(name):
     p, transposed = paths[name]
     host = _to_host(flat[p])  # every process takes part in the gather
+    if p in merged:
+      a, b = merged[p]
+      delta = np.matmul(_to_host(a).astype(np.float32), _to_host(b).astype(np.float32))
+      host = host.astype(np.float32) + np.float32(lora_cfg.scale) * delta
     return host.T if transposed else host
 
   write_safetensors(out_dir, [(e[0], e[3]) for e in entries], fetch, dtype=np_dtype,
                     max_shard_bytes=max_shard_bytes, write=writer)
 
 
+# ============================================================================= LoRA / PEFT
+
+_ADAPTABLE = lora_lib.PROJECTIONS + ("lm_head",)
+
+
+def _check_adapters(cfg: ModelConfig, adapters: Params, lora_cfg: lora_lib.LoRAConfig,
+                    where: str) -> dict[str, tuple[Any, Any]]:
+  """rlx.model.lora adapters -> {param path: (A [in, r], B [r, out])}, checked against the
+  model and lora_cfg; a mistake is one line naming the adapter."""
+  if not isinstance(lora_cfg, lora_lib.LoRAConfig):
+    raise ValueError(f"{where}: lora_cfg={type(lora_cfg).__name__}, expected an "
+                     "rlx.model.lora.LoRAConfig.")
+  if not isinstance(adapters, Mapping) or not adapters:
+    raise ValueError(f"{where}: adapters={type(adapters).__name__} "
+                     f"{'(empty)' if isinstance(adapters, Mapping) else ''}, expected a nested "
+                     "dict like {'layer_0': {'attn': {'q_proj': {'a': A, 'b': B}}}}.")
+  expected = _param_paths(cfg)
+  pairs: dict[str, dict[str, Any]] = {}
+  for leaf, value in _flatten(adapters):
+    path, _, kind = leaf.rpartition("/")
+    if kind not in ("a", "b") or not path:
+      raise ValueError(f"{where}: adapter leaf {leaf!r}; expected paths ending in /a and /b, "
+                       "e.g. 'layer_0/attn/q_proj/a'.")
+    pairs.setdefault(path, {})[kind] = value
+  if not pairs:
+    raise ValueError(f"{where}: adapters hold no arrays; expected a nested dict like "
+                     "{'layer_0': {'attn': {'q_proj': {'a': A, 'b': B}}}}.")
+  r = lora_cfg.rank
+  out = {}
+  for path, ab in sorted(pairs.items()):
+    if path not in expected or path.rsplit("/", 1)[-1] not in _ADAPTABLE:
+      raise ValueError(
+          f"{where}: adapters for {path!r}, which is not a projection of this model "
+          f"({cfg.num_layers} layers, {'tied' if cfg.tie_embeddings else 'untied'} "
+          f"embeddings; paths look like 'layer_0/attn/q_proj', 'layer_0/mlp/down_proj').")
+    if set(ab) != {"a", "b"}:
+      raise ValueError(f"{where}: adapter {path!r} has only {sorted(ab)}; expected a and b.")
+    (d_in, d_out), _ = expected[path]
+    a_shape, b_shape = tuple(np.shape(ab["a"])), tuple(np.shape(ab["b"]))
+    if a_shape != (d_in, r) or b_shape != (r, d_out):
+      raise ValueError(f"{where}: adapter {path!r} has a {list(a_shape)}, b {list(b_shape)}; "
+                       f"rank {r} on a [{d_in}, {d_out}] weight implies a [{d_in}, {r}], "
+                       f"b [{r}, {d_out}].")
+    out[path] = (ab["a"], ab["b"])
+  return out
+
+
+def _peft_module(cfg: ModelConfig, path: str) -> str:
+  """rlx param path -> the module name PEFT sees ('model.layers.0.self_attn.q_proj')."""
+  name, _ = hf_name(cfg, path)
+  return name[:-len(".weight")]
+
+
+def peft_target_modules(cfg: ModelConfig, paths: list[str]) -> list[str] | str:
+  r"""PEFT's `target_modules` for adapters on exactly these rlx param paths.
+
+  When every layer's module of each adapted kind is adapted (the usual case), the plain list
+  of module names (["q_proj", "v_proj"]), as PEFT users write it. Otherwise (some layers only,
+  or different modules on different layers) a regex that PEFT full-matches against module
+  names and that matches exactly the adapted modules, e.g.
+  "model\.layers\.(?:0|1)\.(?:self_attn\.q_proj)|lm_head".
+  """
+  modules = {_peft_module(cfg, p) for p in paths}
+  weights = {p: _peft_module(cfg, p) for p, (shape, _) in _param_paths(cfg).items()
+             if p.rsplit("/", 1)[-1] in _ADAPTABLE and len(shape) == 2}
+  kinds = sorted({m.rsplit(".", 1)[-1] for m in modules})
+  if modules == {m for m in weights.values() if m.rsplit(".", 1)[-1] in kinds}:
+    return kinds
+  layers: dict[str, set[int]] = {}  # "self_attn.q_proj" -> the layers adapted there
+  others = []  # lm_head
+  for m in sorted(modules):
+    if m.startswith("model.layers."):
+      i, sub = m[len("model.layers."):].split(".", 1)
+      layers.setdefault(sub, set()).add(int(i))
+    else:
+      others.append(re.escape(m))
+  groups: dict[tuple[int, ...], list[str]] = {}  # layers -> the modules adapted on them
+  for sub, ids in layers.items():
+    groups.setdefault(tuple(sorted(ids)), []).append(sub)
+  pieces = [rf"model\.layers\.(?:{'|'.join(map(str, ids))})\."
+            rf"(?:{'|'.join(re.escape(s) for s in sorted(subs))})"
+            for ids, subs in sorted(groups.items())]
+  pattern = "|".join(pieces + others)
+  assert {m for m in weights.values() if re.fullmatch(pattern, m)} == modules, pattern
+  return pattern
+
+
+def save_peft_adapter(cfg: ModelConfig, adapters: Params, lora_cfg: lora_lib.LoRAConfig,
+                      out_dir: str, *, base_model_name_or_path: str = "",
+                      dtype: str = "float32") -> None:
+  """Writes a PEFT LoRA adapter directory: adapter_config.json + adapter_model.safetensors.
+
+  `peft.PeftModel.from_pretrained(base, out_dir)` (base: the Hugging Face model the adapters
+  were trained on, e.g. save_hf(cfg, base_params, ...)) then computes the adapted policy:
+  PEFT's lora_A = A.T [r, in], lora_B = B.T [out, r], scaling lora_alpha / r = lora_cfg.scale.
+  The adapted modules are exactly those in `adapters` (see `peft_target_modules`).
+  base_model_name_or_path: recorded in adapter_config.json, where
+  `AutoPeftModelForCausalLM.from_pretrained(out_dir)` looks for the base (a directory or a
+  Hub id). dtype: of the adapter tensors. In multi-process runs every process must call this;
+  only process 0 writes.
+  """
+  if dtype not in DTYPES:
+    raise ValueError(f"save_peft_adapter: dtype={dtype!r}, expected one of {tuple(DTYPES)}.")
+  checked = _check_adapters(cfg, adapters, lora_cfg, "save_peft_adapter")
+  alpha = float(lora_cfg.alpha)
+  config = {
+      "peft_type": "LORA",
+      "task_type": "CAUSAL_LM",
+      "base_model_name_or_path": base_model_name_or_path or None,
+      "revision": None,
+      "inference_mode": True,
+      "r": lora_cfg.rank,
+      "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
+      "target_modules": peft_target_modules(cfg, list(checked)),
+      "exclude_modules": None,
+      "lora_dropout": 0.0,
+      "bias": "none",
+      "fan_in_fan_out": False,  # PEFT's weights are [out, in] as torch.nn.Linear's
+      "use_rslora": False,  # scaling = lora_alpha / r, as rlx's
+      "use_dora": False,
+      "init_lora_weights": True,
+      "layers_to_transform": None,
+      "layers_pattern": None,
+      "rank_pattern": {},
+      "alpha_pattern": {},
+      "modules_to_save": None,
+  }
+  r = lora_cfg.rank
+  tensors, fetches = [], {}
+  for path, (a, b) in checked.items():
+    prefix = "base_model.model." + _peft_module(cfg, path)
+    d_in, d_out = np.shape(a)[0], np.shape(b)[1]
+    tensors += [(prefix + ".lora_A.weight", (r, d_in)), (prefix + ".lora_B.weight", (d_out, r))]
+    fetches[prefix + ".lora_A.weight"] = a
+    fetches[prefix + ".lora_B.weight"] = b
+  tensors.sort()
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+      json.dump(config, f, indent=2, sort_keys=True)
+  write_safetensors(out_dir, tensors, lambda name: _to_host(fetches[name]).T,
+                    dtype=np.dtype(DTYPES[dtype]), max_shard_bytes=2**62, write=writer,
+                    name="adapter_model")
+
+
 def write_safetensors(out_dir: str, tensors: list[tuple[str, tuple[int, ...]]],
                       fetch: Callable[[str], np.ndarray], *, dtype: np.dtype,
-                      max_shard_bytes: int = 5 * 10**9, write: bool = True) -> int:
+                      max_shard_bytes: int = 5 * 10**9, write: bool = True,
+                      name: str = "model") -> int:
   """Streams tensors into model.safetensors (or shards + index), one tensor on the host at a time.
 
   tensors: (name, shape) in file order; fetch(name) returns the array (any float dtype; cast
   to dtype here). Returns the bytes of tensor data written. With write=False only fetch is
-  called (multi-process runs, where every process must join the gathers).
+  called (multi-process runs, where every process must join the gathers). name: the files'
+  stem ("adapter_model" for a PEFT adapter); "model" replaces every *.safetensors in out_dir,
+  another stem only its own files.
   """
+  stem = name
   dtype = np.dtype(dtype)
   shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
   size = 0
@@ -925,14 +1094,15 @@ def write_safetensors(out_dir: str, tensors: list[tuple[str, tuple[int, ...]]],
     size += nbytes
   if write:
     os.makedirs(out_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(out_dir, "*.safetensors")) + glob.glob(
-        os.path.join(out_dir, "model.safetensors.index.json")):
+    pattern = "*.safetensors" if stem == "model" else f"{glob.escape(stem)}*.safetensors"
+    for stale in glob.glob(os.path.join(out_dir, pattern)) + glob.glob(
+        os.path.join(out_dir, f"{glob.escape(stem)}.safetensors.index.json")):
       os.remove(stale)
   n = len(shards)
   weight_map = {}
   total = 0
   for i, shard in enumerate(shards):
-    fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shard:
@@ -964,7 +1134,7 @@ def write_safetensors(out_dir: str, tensors: list[tuple[str, tuple[int, ...]]],
     if write:
       os.replace(tmp, os.path.join(out_dir, fname))
   if write and n > 1:
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{stem}.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
                 sort_keys=True)
   return total
