@@ -11,6 +11,12 @@ compilation and prints medians of:
                    with one minibatch)
   forward+backward value_and_grad of the policy loss over the batch
   optimizer        the optax update + apply
+  evaluation       the run's held-out evaluation (rlx.evaluate.Evaluator: greedy, the run's
+                   sampler impl and PagedConfig, eval_batch_size batches, scored by the
+                   task's jnp verifier, results on the host)
+  sampler (eval)   the same sampler alone on the same eval batches (already on device, one
+                   jitted call per batch, group_size 1): evaluation / this is the Evaluator's
+                   overhead over its decode (--eval=false skips both)
 with achieved FLOP/s (XLA's cost analysis of each compiled phase / its median time) against
 an f32 GEMM peak measured in the same process, and, for generation, the fraction of its
 roofline: the larger of the bandwidth time (params read once per decode step + the KV cache
@@ -21,6 +27,8 @@ jax.profiler trace of one step (open with TensorBoard or Perfetto).
   python experiments/bench_step.py --config=experiments/arith.py --workdir=/tmp/rlx_arith
   python experiments/bench_step.py --config=experiments/arith.py:runlocal --workdir=/tmp/b \
       --steps=5 --profile_dir=/tmp/b/trace
+  python experiments/bench_step.py --config=experiments/arith.py:runlocal --workdir=/tmp/b \
+      --config.sampler.eval_batch_size=40      # evaluation in batches that pad the pool
 """
 
 import functools
@@ -33,13 +41,16 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlx import train, trainer
+from rlx import evaluate, train, trainer
+from rlx import sharding as shd
 from rlx.rl.loss import policy_loss
+from rlx.sampler import dense, paged
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/arith.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_arith", "Workdir (its base model is used).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps after the compile step.")
 _PROFILE = flags.DEFINE_string("profile_dir", "", "Write a jax.profiler trace of one step.")
+_EVAL = flags.DEFINE_boolean("eval", True, "Also time the evaluation against its sampler alone.")
 
 
 def _median_time(fn, *args, reps: int) -> float:
@@ -77,6 +88,51 @@ def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
     x = jax.block_until_ready(f(x))
     times.append(time.perf_counter() - t0)
   return 2 * x.nbytes / statistics.median(times)
+
+
+def eval_vs_sampler(setup, params, reps: int) -> tuple[float, float, str]:
+  """(median s of the run's evaluation, median s of its sampler alone on the same batches,
+  a description of the shapes). The Evaluator is built as the trainer builds it (jnp
+  verifier; a host reward would add its own Python time)."""
+  spec, cfg, exp, mesh, g = setup.spec, setup.step_cfg, setup.exp, setup.mesh, setup.exp.graphdef
+  tok = exp.tokenizer
+  greedy = spec.sampler.sampling(eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                 stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
+                                 greedy=True)
+  ev = evaluate.Evaluator(g, exp.eval_pool, greedy, spec.sampler.eval_batch_size, mesh,
+                          verifier=cfg.verifier, band=spec.task.band,
+                          sampler_impl=cfg.sampler_impl, paged=cfg.paged)
+  bs, pool = ev.batch_size, ev.pool  # the padded pool, cut as the Evaluator cuts it
+  batches = [tuple(shd.put(x[i:i + bs], shd.batch_sharding(mesh, x.ndim))
+                   for x in (pool.prompts, pool.prompt_lens))
+             for i in range(0, pool.prompts.shape[0], bs)]
+  keys = jax.device_put(jax.random.split(jax.random.key(0), bs), shd.batch_sharding(mesh))
+  if cfg.sampler_impl == "paged":
+    alone = functools.partial(paged.generate, g, sp=greedy, pc=cfg.paged or paged.PagedConfig(),
+                              group_size=1, mesh=mesh)
+  else:
+    alone = functools.partial(dense.generate, g, params_cfg=greedy)
+
+  def sampler_alone(p):
+    return [alone(p, prompts, lens, keys) for prompts, lens in batches]
+
+  # Interleaved (evaluation, sampler, evaluation, ...) after a compiling call each, so a
+  # disturbance of this shared machine hits both alike; medians.
+  fns = (ev.scores_and_lengths, sampler_alone)
+  for fn in fns:
+    jax.block_until_ready(fn(params))
+  times = [[], []]
+  for _ in range(reps):
+    for fn, ts in zip(fns, times):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(params))
+      ts.append(time.perf_counter() - t0)
+  t_eval, t_alone = map(statistics.median, times)
+  _, lengths = ev.scores_and_lengths(params)
+  shapes = (f"{ev.n} eval prompts in {len(batches)} batches of {bs} (width "
+            f"{pool.prompts.shape[1]}), max_new_tokens={greedy.max_new_tokens}, mean completion "
+            f"{lengths.mean():.1f} tokens, sampler={cfg.sampler_impl}")
+  return t_eval, t_alone, shapes
 
 
 def main(_):
@@ -173,6 +229,13 @@ def main(_):
         f"{np.median(toks / gen):.0f}")
   print(f"generation share of step time: {np.median(gen / (gen + upd)):.0%}; in-step "
         f"generation / sampler alone: {np.median(gen) / timed['sampler alone'][0]:.2f}x")
+  if _EVAL.value:
+    t_eval, t_alone, shapes = eval_vs_sampler(setup, params, max(reps, 7))
+    print(f"\nevaluation: {shapes}")
+    print(f"{'evaluation':24s}{t_eval:10.3f}")
+    print(f"{'sampler (eval batches)':24s}{t_alone:10.3f}")
+    print(f"evaluation / sampler alone: {t_eval / t_alone:.3f}x (medians of {max(reps, 7)} "
+          f"interleaved runs each)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,25 @@ from rlx import distributed
 from rlx import sharding as shd
 from rlx.data.tasks import PromptPool, Verifier
 from rlx.sampler import dense
+from rlx.sampler import paged as paged_lib
 from rlx.sampler.sampling import SamplingParams
+
+SAMPLER_IMPLS = ("dense", "paged")
+
+
+def decode(graphdef, params, prompts_BxP, prompt_lens_B, keys_B, sp: SamplingParams, *,
+           sampler_impl: str = "dense", paged: paged_lib.PagedConfig | None = None,
+           mesh: Mesh | None = None):
+  """One decode of B prompts with the named sampler (pure; jit it): each prompt once, so the
+  paged sampler runs with group_size=1 (no prompt sharing, every sequence owns its pages).
+  `mesh`: the paged sampler runs per batch shard under shard_map (see rlx.sampler.paged)."""
+  if sampler_impl == "dense":
+    return dense.generate_unjitted(graphdef, params, prompts_BxP, prompt_lens_B, keys_B, sp)
+  if sampler_impl == "paged":
+    return paged_lib.generate_unjitted(graphdef, params, prompts_BxP, prompt_lens_B, keys_B, sp,
+                                       paged or paged_lib.PagedConfig(), group_size=1,
+                                       mesh=mesh)
+  raise ValueError(f"sampler_impl={sampler_impl!r}; expected one of {SAMPLER_IMPLS}.")
 
 
 class Evaluator:
@@ -27,11 +45,20 @@ class Evaluator:
   metrics (`eval/band_len_mean`, `eval/band_correct_len_mean`).
   `show_progress` draws a progress bar over the batches on stderr (long evaluations);
   `check_stop` is called before each batch (it raises to abandon the evaluation).
+  `sampler_impl` / `paged`: the sampler that decodes ("dense", the reference oracle, or
+  "paged" with its PagedConfig; None = defaults), normally the run's own
+  (config.sampler.impl / RunSpec.sampler.paged). Greedy results are the same either way.
   """
 
   def __init__(self, graphdef, pool: PromptPool, sp: SamplingParams, batch_size: int,
                mesh: Mesh, *, verifier: Verifier | None = None, band=(), host_reward=None,
-               host=None, tokenizer=None, show_progress: bool = False, check_stop=None):
+               host=None, tokenizer=None, show_progress: bool = False, check_stop=None,
+               sampler_impl: str = "dense", paged: paged_lib.PagedConfig | None = None):
+    if sampler_impl not in SAMPLER_IMPLS:
+      raise ValueError(f"Evaluator: sampler_impl={sampler_impl!r}; expected one of "
+                       f"{SAMPLER_IMPLS}.")
+    self.sampler_impl = sampler_impl
+    self.paged = paged
     self.show_progress = show_progress
     self.check_stop = check_stop
     self.host_reward = host_reward
@@ -55,13 +82,28 @@ class Evaluator:
     @functools.partial(jax.jit, out_shardings=batch_sh)
     def run(params, prompts, prompt_lens, answers, answer_lens):
       keys = jax.random.split(jax.random.key(0), prompts.shape[0])
-      ro = dense.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, sp)
+      ro = decode(graphdef, params, prompts, prompt_lens, keys, sp, sampler_impl=sampler_impl,
+                  paged=paged, mesh=mesh)
       if host_reward is not None:
         return ro.tokens, ro.lengths
       return verifier(ro.tokens, answers, answer_lens), ro.lengths
 
     self._run = run
     self._graphdef = graphdef
+    self._batches = None  # device copies of the batches, made by the first evaluation
+    # A few rows for display: one shard (their count need not divide the mesh).
+    self._decode_few = jax.jit(functools.partial(decode, graphdef, sp=sp,
+                                                 sampler_impl=sampler_impl, paged=paged))
+
+  def _device_batches(self) -> list[list[jax.Array]]:
+    """(prompts, prompt_lens, answers, answer_lens) of each batch, placed on the mesh once
+    (the pool is fixed): an evaluation then moves no inputs, only its results."""
+    if self._batches is None:
+      p, bs = self.pool, self.batch_size
+      self._batches = [[shd.put(x[i:i + bs], shd.batch_sharding(self.mesh, x.ndim))
+                        for x in (p.prompts, p.prompt_lens, p.answers, p.answer_lens)]
+                       for i in range(0, p.prompts.shape[0], bs)]
+    return self._batches
 
   def scores(self, params) -> np.ndarray:
     """The reward of each eval example's greedy completion."""
@@ -71,17 +113,12 @@ class Evaluator:
     """(reward, completion length in tokens incl. the stop token) per eval example."""
     from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
     out = []
-    p = self.pool
-    bs = self.batch_size
-    num_batches = p.prompts.shape[0] // bs
-    with tqdm(total=num_batches, desc="eval", unit="batch", leave=False, dynamic_ncols=True,
+    batches = self._device_batches()
+    with tqdm(total=len(batches), desc="eval", unit="batch", leave=False, dynamic_ncols=True,
               file=sys.stderr, disable=not self.show_progress) as bar:
-      for i in range(0, p.prompts.shape[0], bs):
+      for args in batches:
         if self.check_stop is not None:
           self.check_stop()
-        sl = slice(i, i + bs)
-        args = [shd.put(x[sl], shd.batch_sharding(self.mesh, x.ndim))
-                for x in (p.prompts, p.prompt_lens, p.answers, p.answer_lens)]
         out.append(self._run(params, *args))
         if self.show_progress:  # count finished batches, not dispatched ones
           jax.block_until_ready(out[-1])
@@ -122,7 +159,7 @@ class Evaluator:
     p = self.pool
     idx = np.asarray(indices)
     keys = jax.random.split(jax.random.key(0), len(idx))
-    ro = dense.generate(self._graphdef, params, jnp.asarray(p.prompts[idx]),
-                        jnp.asarray(p.prompt_lens[idx]), keys, params_cfg=self.sp)
+    ro = self._decode_few(params, jnp.asarray(p.prompts[idx]), jnp.asarray(p.prompt_lens[idx]),
+                          keys)
     toks = np.asarray(ro.tokens)
     return [(tokenizer.decode(p.prompts[i]), tokenizer.decode(t)) for i, t in zip(idx, toks)]

@@ -2,7 +2,9 @@
 read_metrics for a workdir or its file; the evaluation progress bar."""
 
 import contextlib
+import functools
 import json
+import types
 import warnings
 
 import jax
@@ -139,3 +141,78 @@ def test_evaluator_shows_progress_over_its_batches(show, capsys):
     assert "eval:" in err and "/3 [" in err, err  # 6 prompts in batches of 2
   else:
     assert "eval" not in err, err
+
+
+# ---- evaluation with the run's sampler: paged == dense (the oracle) --------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _eval_setup():
+  """A tiny model and an 11-prompt pool with varied prompt and completion lengths, answers
+  that half the greedy completions match (so accuracy and correct lengths are non-trivial)."""
+  from rlx.data.tasks import PromptPool
+  from rlx.model.config import ModelConfig
+  from rlx.sampler import dense
+  from rlx.sampler.sampling import SamplingParams
+  cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_kv_heads=2,
+                    head_dim=8, mlp_dim=64)  # f32
+  graphdef, params = rlx.init_params(cfg, seed=0)
+  sp = SamplingParams(max_new_tokens=10, temperature=0.0, eos_id=3,
+                      stop_ids=tuple(range(40, 52)))
+  n, width = 11, 9
+  rng = np.random.default_rng(0)
+  lens = rng.integers(1, width + 1, n).astype(np.int32)
+  lens[0] = width
+  prompts = np.zeros((n, width), np.int32)
+  for i, k in enumerate(lens):
+    prompts[i, width - k:] = rng.integers(8, cfg.vocab_size, k)
+  ro = dense.generate(graphdef, params, prompts, lens, jax.random.split(jax.random.key(0), n),
+                      params_cfg=sp)
+  answers = np.asarray(ro.tokens)[:, :2].copy()
+  answers[1::2] = rng.integers(8, 40, (len(answers[1::2]), 2))  # odd rows: (almost) never right
+  pool = PromptPool(prompts=prompts, prompt_lens=lens, answers=answers.astype(np.int32),
+                    answer_lens=np.full((n,), 2, np.int32),
+                    difficulty=np.arange(n, dtype=np.int32) % 3)
+  return graphdef, params, pool, sp, np.asarray(ro.lengths)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (4, 2)], ids=["1dev", "data4xfsdp2"])
+def test_paged_evaluator_matches_dense(mesh_shape):
+  """Greedy evaluation with the paged sampler (the run's default) gives exactly the dense
+  sampler's scores, lengths and metrics: 11 prompts in batches that do not divide the pool
+  (the last is padded), fewer slots than sequences and a pool that makes some wait."""
+  from rlx import evaluate, sharding as shd
+  from rlx.sampler import paged
+  graphdef, params, pool, sp, want_lengths = _eval_setup()
+  if mesh_shape is None:
+    mesh, batch = shd.make_mesh(devices=jax.devices()[:1]), 4
+  else:
+    mesh, batch = shd.make_mesh(data=mesh_shape[0], fsdp=mesh_shape[1]), 8
+    params = jax.device_put(params, shd.param_shardings(params, mesh))
+  pc = paged.PagedConfig(page_size=4, max_slots=3, num_pages=8, slot_buckets=1,
+                         context_buckets=1)
+  kw = dict(band=(1,), sp=sp, batch_size=batch, mesh=mesh)
+  ref = evaluate.Evaluator(graphdef, pool, **kw)  # dense by default
+  got = evaluate.Evaluator(graphdef, pool, sampler_impl="paged", paged=pc, **kw)
+  assert ref.sampler_impl == "dense" and pool.size % got.batch_size != 0
+  s_ref, l_ref = ref.scores_and_lengths(params)
+  s_got, l_got = got.scores_and_lengths(params)
+  np.testing.assert_array_equal(l_ref, want_lengths)
+  assert 1 < len(set(l_ref.tolist())) and 0 < s_ref.sum() < len(s_ref)  # a non-trivial check
+  np.testing.assert_array_equal(s_got, s_ref)
+  np.testing.assert_array_equal(l_got, l_ref)
+  m_ref, m_got = ref(params), got(params)
+  assert m_got.keys() == m_ref.keys() and "eval/band_correct_len_mean" in m_got
+  np.testing.assert_equal(m_got, m_ref)  # NaN equals NaN (a level without a correct answer)
+  if mesh_shape is not None:  # a few rows for display: off the mesh's batch split
+    tok = types.SimpleNamespace(decode=lambda t: tuple(np.asarray(t).tolist()))
+    assert got.completions(params, [0, 5, 10], tok) == ref.completions(params, [0, 5, 10], tok)
+
+
+def test_evaluator_rejects_an_unknown_sampler():
+  from rlx import evaluate
+  ev, _ = tiny_evaluator(False)
+  with pytest.raises(ValueError, match=r"sampler_impl='fast'; expected one of \('dense', "
+                     r"'paged'\)"):
+    evaluate.Evaluator(ev._graphdef, jax.tree.map(lambda x: x[:ev.n], ev.pool), ev.sp, 2,
+                       ev.mesh, sampler_impl="fast")
