@@ -22,6 +22,22 @@ optimizer state and the replay ring are exact (their shapes and the sharding rul
 are estimates from the model code (see `_layer_activation_bytes`) times a safety margin
 (`config.memory.activation_margin`, default 1.2). XLA's own temporaries (fusion and
 collective buffers, weight casts hoisted out of loops) are not modelled.
+
+LoRA (`config.lora.rank > 0`, rlx.model.lora): the state holds the frozen base (split like
+params, in `lora.base_dtype`), the adapters (f32, replicated) as the trainable params and Adam
+moments for the adapters only; there is no full-size gradient, no full-size optimizer state
+and no reference copy for the KL term (the base with adapters off is the reference: one more
+no-grad forward, as before). The backward keeps what the full-parameter one keeps (each
+adapted projection's input x is needed for dA as it was for dW) plus, per adapted projection,
+x A [tokens, r] and xW and s (xA)B apart ([tokens, out]; see `_layer_activation_bytes`): with
+remat that is one layer's worth, a few percent. With `lora.merge_for_sampling` the rollout
+(and eval) decodes with W + scale * A @ B merged once per rollout: one more copy of the
+adapted weights, in the base dtype, live while sampling.
+
+Remat (`rl.remat`): the backward keeps each layer's input and rebuilds one layer at a time.
+XLA:CPU's scheduler realises almost none of that saving (measured: -6% of the update's
+temporaries where the model predicts -50%), so on CPU the plan keeps the no-remat upper
+bound; on TPU / GPU (or `remat_realised=True`) it counts layer inputs + one layer.
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from jax.sharding import AbstractMesh
 from rlx import configs
 from rlx import sharding as shd
 from rlx import train
+from rlx.model import lora as lora_lib
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
 from rlx.rl import replay as replay_lib
@@ -63,6 +80,13 @@ _HINT_POOL = ("a smaller KV pool (config.sampler.num_pages / max_slots) or a sho
               "sampler.max_new_tokens")
 _HINT_REPLAY = "a smaller config.replay.capacity"
 _HINT_EVAL = "a smaller config.sampler.eval_batch_size"
+_HINT_LORA = ("LoRA (config.lora.rank > 0): a frozen base, optimizer state and gradients for "
+              "the adapters only")
+_HINT_LORA_BF16 = "a bf16 frozen base (config.lora.base_dtype='bfloat16')"
+_HINT_LORA_RANK = "a smaller config.lora.rank or fewer config.lora.targets"
+_HINT_MERGE = ("config.lora.merge_for_sampling=False (the sampler takes the unmerged low-rank "
+               "path: no merged copy)")
+_HINT_REMAT = "config.rl.remat=True (on TPU/GPU)"
 _ALL_HINTS = (_HINT_FSDP, _HINT_PROMPTS, _HINT_MINIBATCH, _HINT_BF16, _HINT_POOL)
 
 
@@ -194,7 +218,8 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def _layer_activation_bytes(cfg: ModelConfig, seq: int) -> tuple[int, str]:
+def _layer_activation_bytes(cfg: ModelConfig, seq: int,
+                            lora_extra: int = 0) -> tuple[int, str]:
   """Bytes per token per layer that the backward pass keeps (rlx.model.transformer, no remat).
 
   c = compute dtype bytes. The residuals JAX saves per token and layer:
@@ -209,14 +234,31 @@ def _layer_activation_bytes(cfg: ModelConfig, seq: int) -> tuple[int, str]:
   Checked against XLA:CPU `memory_analysis()` of jax.grad of completion_logprobs over
   vocab / layers / mlp_dim / heads sweeps (with _LOGITS_GRAD_COPIES and one layer's
   backward scores): within 1% in f32, 5-15% under in bf16 (XLA:CPU upcasts bf16 math).
+
+  lora_extra: bytes per token per layer that LoRA adds. A frozen W needs no dW, but dA needs
+  the same input x, so the list above stands; each adapted projection adds x A ([r], c) and,
+  since XLA fuses the y = xW + s (xA)B add into its consumers instead of materialising y, xW
+  and s (xA)B are kept apart: one more [out] (c). XLA:CPU, f32, adapters on all 7
+  projections (d=128, F=512, r=8): the LoRA update's temporaries are +7.6% over the
+  full-parameter one's, and the plan with this term is within 2% of XLA (without it, 10%
+  under); in bf16 XLA:CPU measured the LoRA backward 4% below the full-parameter one.
   """
   c = jnp.dtype(cfg.compute_dtype).itemsize
   d, f, hq, hkv, hd = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   probs = 8 + (c if c != 4 else 0)
-  per = (4 * d + (hq + 2 * hkv) * hd + hq * hd + 5 * f) * c + 8 * d + hq * seq * probs
-  formula = (f"[(4d+(Hq+2Hkv)D+HqD+5F)*{c}B + 8d + Hq*S*{probs}B] = {per / 1024:.1f} KiB"
-             "/token/layer")
+  per = ((4 * d + (hq + 2 * hkv) * hd + hq * hd + 5 * f) * c + 8 * d + hq * seq * probs
+         + lora_extra)
+  extra = f" + {lora_extra}B LoRA (xA, xW|s(xA)B split)" if lora_extra else ""
+  formula = (f"[(4d+(Hq+2Hkv)D+HqD+5F)*{c}B + 8d + Hq*S*{probs}B{extra}] = "
+             f"{per / 1024:.1f} KiB/token/layer")
   return per, formula
+
+
+def _out_dim(tree, path: str) -> int:
+  """The output dimension of the [in, out] weight at `path` ("layer_0/attn/q_proj")."""
+  for k in path.split("/"):
+    tree = tree[k]
+  return int(tree.shape[-1])
 
 
 def human(n: float) -> str:
@@ -234,13 +276,15 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
          mesh_shape: Mapping[str, int], *,
          num_prompts: int | None = None, prompt_width: int | None = None,
          num_groups: int | None = None,
-         rules=shd.DEFAULT_RULES) -> MemoryPlan:
+         rules=shd.DEFAULT_RULES, remat_realised: bool | None = None) -> MemoryPlan:
   """Per-device bytes of a run of `config` with `model_cfg` on a mesh of `mesh_shape`.
 
   mesh_shape: e.g. {"data": 2, "fsdp": 8} (missing axes are 1); it need not match the
     devices present. num_prompts: size of the RL prompt pool (None: estimated from
     config.task as num_train_per_level x ops x rl_levels). prompt_width: the pool's prompt
-    width (None: config.sampler.max_prompt_len).
+    width (None: config.sampler.max_prompt_len). remat_realised: whether `rl.remat` shrinks
+    the backward's saved activations to layer inputs + one layer (None: rl.remat on a
+    non-CPU backend; XLA:CPU was measured to realise almost none of it).
   """
   spec = configs.resolve(config)
   sizes = _check_mesh(mesh_shape)
@@ -287,21 +331,58 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   n_split = sum(1 for _, sp_ in splits.values() if sp_ > 1)
   split_note = (f"{n_split}/{len(splits)} leaves split by spec_for" if n_split else
                 "replicated")
-  add("params", params_dev,
-      f"{cfg.num_params() / 1e6:.1f}M x {w}B ({cfg.param_dtype}), {split_note}", "state",
-      f"{_HINT_FSDP}; {_HINT_BF16}")
   o = spec.optim
   tx = train.make_optimizer(o.lr, spec.total_steps, warmup_steps=o.warmup_steps,
                             schedule=o.schedule, weight_decay=o.weight_decay,
                             grad_clip=o.grad_clip, b1=o.b1, b2=o.b2)
-  opt_abstract = jax.eval_shape(tx.init, abstract)
-  opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
-  add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
-      f"2 x params-shaped ({'/'.join(opt_dtypes)}), split like params, + count", "state",
-      f"{_HINT_FSDP}; {_HINT_BF16}")
-  if loss.kl_coef > 0:
-    add("reference params (kl_coef > 0)", params_dev, "= params", "state",
-        "config.rl.kl_coef=0 (no reference model)")
+  lc = spec.lora
+  # LoRA: the adapters' extra saved activations per token, summed over the layers.
+  lora_act = head_act = 0
+  if lc is None:
+    add("params", params_dev,
+        f"{cfg.num_params() / 1e6:.1f}M x {w}B ({cfg.param_dtype}), {split_note}", "state",
+        f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
+    opt_abstract = jax.eval_shape(tx.init, abstract)
+    opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
+    add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
+        f"2 x params-shaped ({'/'.join(opt_dtypes)}), split like params, + count", "state",
+        f"{_HINT_LORA}; {_HINT_FSDP}; {_HINT_BF16}")
+    if loss.kl_coef > 0:
+      add("reference params (kl_coef > 0)", params_dev, "= params", "state",
+          "config.rl.kl_coef=0 (no reference model)")
+    sample_full, sample_dtype = params_full, cfg.param_dtype
+  else:
+    bdt = jnp.dtype(lc.base_dtype or cfg.weight_dtype)
+    base_abs = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, bdt) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, abstract)
+    base_splits = _param_splits(base_abs, mesh, rules)
+    base_dev = sum(_nbytes(x) // sp_ for x, sp_ in base_splits.values())
+    sample_full, sample_dtype = sum(_nbytes(x) for x, _ in base_splits.values()), bdt.name
+    try:
+      targets = lora_lib.target_paths(abstract, lc)
+    except ValueError as e:
+      raise configs.ConfigError(f"config.lora.targets: {e}") from None
+    adapters = jax.eval_shape(lambda p: lora_lib.init_adapters(p, lc), abstract)
+    ad_bytes = sum(_nbytes(x) for x in jax.tree.leaves(adapters))  # replicated
+    ad_n = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
+    add(f"frozen base ({bdt.name}, LoRA)", base_dev,
+        f"{cfg.num_params() / 1e6:.1f}M x {bdt.itemsize}B ({bdt.name}), {split_note}",
+        "state", f"{_HINT_FSDP}; {_HINT_LORA_BF16}")
+    add(f"params: LoRA adapters (r={lc.rank})", ad_bytes,
+        f"{ad_n / 1e6:.2f}M = r x (in + out) over {len(targets)} matrices x 4B (f32), "
+        "replicated", "state", _HINT_LORA_RANK)
+    opt_abstract = jax.eval_shape(tx.init, adapters)
+    opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
+    add("optimizer (adamw mu, nu)", sum(_nbytes(x) for x in jax.tree.leaves(opt_abstract)),
+        f"2 x adapter-shaped ({'/'.join(opt_dtypes)}), replicated, + count; none for the base",
+        "state", _HINT_LORA_RANK)
+    # (kl_coef > 0: no reference params; the base with adapters off is the reference.)
+    # Per adapted projection and token the backward keeps x A [r] and, as XLA fuses the
+    # y = xW + s (xA)B add into its consumers, xW and s (xA)B apart: one more [out] (c).
+    lora_act = sum((lc.rank + _out_dim(abstract, t)) * c for t in targets
+                   if t.startswith("layer_"))
+    head_act = lc.rank * c if "lm_head" in targets else 0
   n_groups = int(num_groups) if num_groups else max(len(spec.task.levels), 1)
   sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
       lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups))))
@@ -329,9 +410,9 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
         f"2 x L={L} x Hkv={hkv} x {lay.num_pages} pages x {lay.page_size} x D={hd} x {c}B "
         f"per shard ({local} seqs, {lay.slots} slots)", "rollout", _HINT_POOL)
     if nb > 1 and params_dev < params_full:
-      add("sampler params (all-gathered)", params_full,
-          f"paged shard_map reads params replicated: full {human(params_full)}", "rollout",
-          _HINT_BF16)
+      add("sampler params (all-gathered)", sample_full,
+          f"paged shard_map reads params replicated: full {human(sample_full)} "
+          f"({sample_dtype})", "rollout", _HINT_BF16 if lc is None else _HINT_LORA_BF16)
     chunk = lay.prefill_chunk
     tmp = (chunk * hq * pw * pw * 8 + chunk * pw * (4 * d + 3 * cfg.mlp_dim) * c
            + lay.slots * V * 4 * 3 + local * t_new * 8)
@@ -344,6 +425,19 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   # ---- eval: the dense greedy sampler.
   eval_local = _cdiv(int(s.eval_batch_size), nb)
   _dense_sampler(add, cfg, "eval sampler", eval_local, pw, t_new, "eval", c, _HINT_EVAL)
+
+  # ---- LoRA, merged for sampling: W + scale * A @ B for every adapted matrix, in the base
+  # dtype and split like the base, built once per rollout (and per eval); the product is
+  # formed in f32 one matrix at a time.
+  if lc is not None and lc.merge_for_sampling:
+    merged = sum(_nbytes(base_splits[t][0]) // base_splits[t][1] for t in targets)
+    big_t = max(targets, key=lambda t: _nbytes(base_splits[t][0]) // base_splits[t][1])
+    big_leaf, big_s = base_splits[big_t]
+    delta = math.prod(big_leaf.shape) * 4 // big_s
+    for phase in ("rollout", "eval"):
+      add(f"merged adapted weights ({phase})", merged + delta,
+          f"{len(targets)} matrices x {bdt.itemsize}B split like the base + f32 A@B of "
+          f"{big_t} {tuple(big_leaf.shape)}", phase, _HINT_MERGE)
 
   # ---- update (rlx.train.update): log-probs only at the T completion positions, chunk by
   # chunk; pi_old from the first minibatch's gradient pass (a forward pass runs only for the
@@ -370,32 +464,57 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
         max(mb_rows * c_lp * V * 4 * _LOGITS_FWD_COPIES, one_layer) + mb_rows * seq * d * c,
         f"max({mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_FWD_COPIES}, one layer) "
         "+ hidden", "logp", _HINT_MINIBATCH, estimate=True)
-  add("gradients", params_dev, "= params (param dtype, reduce-scattered like params)",
-      "grad", f"{_HINT_FSDP}; {_HINT_BF16}")
-  per_tok, layer_formula = _layer_activation_bytes(cfg, seq)
+  if lc is None:
+    add("gradients", params_dev, "= params (param dtype, reduce-scattered like params)",
+        "grad", f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
+  else:
+    add("gradients (adapters)", ad_bytes,
+        "= adapters (f32, replicated); the frozen base gets none", "grad", _HINT_LORA_RANK)
+  per_tok, layer_formula = _layer_activation_bytes(cfg, seq, lora_act // L if lc else 0)
   tokens_mb = mb_rows * seq
-  # rl.remat's saving (layer inputs kept, one layer rebuilt at a time) is left out: XLA:CPU's
-  # scheduler was measured to realise none of it, so the plan keeps the upper bound.
-  saved = tokens_mb * (L * per_tok + 2 * d * c + d * 4 + hq * seq * 8)
-  saved_formula = f"{mb_rows} rows x S={seq} x L={L} x {layer_formula}"
+  if remat_realised is None:
+    remat_realised = bool(rl_spec.remat) and jax.default_backend() != "cpu"
+  top = 2 * d * c + d * 4 + hq * seq * 8 + head_act
+  if remat_realised and rl_spec.remat:
+    # Layer inputs [tokens, d] kept; the backward rebuilds one layer at a time.
+    saved = tokens_mb * (L * d * c + per_tok + top)
+    saved_formula = (f"{mb_rows} rows x S={seq} x (remat: L={L} layer inputs x d x {c}B "
+                     f"+ one layer {layer_formula})")
+    hint = _HINT_MINIBATCH
+  else:
+    # No remat, or XLA:CPU (measured to realise almost none of rl.remat's saving).
+    saved = tokens_mb * (L * per_tok + top)
+    saved_formula = f"{mb_rows} rows x S={seq} x L={L} x {layer_formula}"
+    if rl_spec.remat:
+      saved_formula += " (rl.remat not realised on this backend)"
+    hint = f"{_HINT_REMAT}; {_HINT_MINIBATCH}"
   add("saved activations (backward)", saved + mb_rows * seq * seq,
-      saved_formula + " + one layer's score grads", "grad",
-      f"config.rl.remat=True (on TPU/GPU); {_HINT_MINIBATCH}", estimate=True)
-  add(f"f32 logits x{_LOGITS_GRAD_COPIES} (minibatch)",
-      mb_rows * c_lp * V * 4 * _LOGITS_GRAD_COPIES,
-      f"{mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_GRAD_COPIES} (logits, "
-      "logsumexp / its grad)", "grad",
+      saved_formula + " + one layer's score grads", "grad", hint, estimate=True)
+  copies = _LOGITS_GRAD_COPIES + (1 if head_act else 0)  # adapted lm_head: xW, s(xA)B apart
+  add(f"f32 logits x{copies} (minibatch)",
+      mb_rows * c_lp * V * 4 * copies,
+      f"{mb_rows} rows x {chunk_note} x V={V} x 4B x{copies} (logits, "
+      f"logsumexp / its grad{', adapted lm_head' if head_act else ''})", "grad",
       f"config.rl.logprob_chunk (e.g. 128); {_HINT_MINIBATCH}", estimate=True)
   big_name, (big, big_split) = max(splits.items(), key=lambda kv: _nbytes(kv[1][0]))
   if big_split > 1:
     n = int(math.prod(big.shape))
-    add("FSDP gather + grad partial (largest weight)", n * (c + w),
-        f"{big_name} {tuple(big.shape)} gathered ({c}B) + unreduced grad ({w}B)", "grad",
-        _HINT_BF16)
+    if lc is None:
+      add("FSDP gather + grad partial (largest weight)", n * (c + w),
+          f"{big_name} {tuple(big.shape)} gathered ({c}B) + unreduced grad ({w}B)", "grad",
+          _HINT_BF16)
+    else:
+      add("FSDP gather (largest weight)", n * c,
+          f"{big_name} {tuple(big.shape)} gathered ({c}B); frozen: no weight gradient",
+          "grad", _HINT_FSDP)
 
   notes = (
       "Exact: params, optimizer, reference params, replay ring, selector, pool (shapes + "
       "sharding rules). KV: the samplers' own layouts.",
+  ) + ((
+      f"LoRA r={lc.rank}, alpha={lc.alpha:g}: frozen base in {bdt.name}, adapters + their "
+      "Adam moments f32; no full-size gradient / optimizer state; no reference copy (the "
+      "base with adapters off is the KL reference).",) if lc else ()) + (
       f"Estimated (x{margin:g} margin, config.memory.activation_margin): sampler "
       "temporaries, pi_old forward, saved activations, logits.",
       "Not modelled: XLA temporaries (fusion / collective buffers, weight casts hoisted out "
