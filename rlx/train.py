@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from rlx import distributed
 from rlx import sharding as shd
 from rlx.data.tasks import PromptPool, Verifier
+from rlx.model import lora as lora_lib
 from rlx.model import transformer
 from rlx.rl import advantages as adv_lib
 from rlx.rl import length as length_lib
@@ -55,7 +56,10 @@ class TrainState:
   rng: jax.Array  # u32[2] raw key data (checkpoint friendly)
   step: jax.Array  # i32[]
   policy_version: jax.Array  # i32[] number of optimizer updates applied
-  ref_params: Any = None  # only allocated when kl_coef > 0
+  ref_params: Any = None  # only allocated when kl_coef > 0 (never with LoRA: see `base`)
+  # LoRA (StepConfig.lora): `params` holds the adapters only (so only they get optimizer
+  # state) and `base` the frozen base weights, which are also the KL reference.
+  base: Any = None
   selector: selection.SelectorState | None = None  # per-prompt pass-rate history
   replay: replay_lib.ReplayState | None = None  # ring of past rollouts
 
@@ -110,6 +114,7 @@ class StepConfig:
   update_buckets: int = 4
   drop_zero_adv_rows: bool = True  # see `update_shape`
   verifier: Verifier = Verifier()  # the task's jnp reward (exact match, final answer, ...)
+  lora: lora_lib.LoRAConfig | None = None  # None: full-parameter training
 
   @property
   def batch_size(self) -> int:
@@ -206,7 +211,7 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   keys = jax.random.split(k_sample, n * g)
   if mesh is not None:
     chosen, keys, rows = shd.constrain_batch((chosen, keys, rows), mesh)
-  ro = sample(graphdef, state.params, chosen.prompts, chosen.prompt_lens, keys, cfg, mesh)
+  ro = sample(graphdef, policy_params(state, cfg), chosen.prompts, chosen.prompt_lens, keys, cfg, mesh)
   rewards = cfg.verifier(ro.tokens, chosen.answers, chosen.answer_lens)
   stats = {}
   if state.selector is not None:
@@ -386,14 +391,17 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     if mesh is not None:
       batch = shd.constrain_batch(batch, mesh)
   m = cfg.num_minibatches
-  logp_fn = functools.partial(completion_logprobs, graphdef,
-                              temperature=cfg.sampling.policy_temperature,
-                              chunk=cfg.logprob_chunk, remat=cfg.remat)
+  model_logp = functools.partial(completion_logprobs, graphdef,
+                                 temperature=cfg.sampling.policy_temperature,
+                                 chunk=cfg.logprob_chunk, remat=cfg.remat)
+
+  def logp_fn(params, *seqs):  # params: the trainable tree (LoRA: adapters, unmerged path)
+    return model_logp(model_params(params, state.base, cfg), *seqs)
   mb_batch = _minibatches(batch, m)
   mb_seqs = (mb_batch.prompts, mb_batch.prompt_lens, mb_batch.completions, mb_batch.lengths)
 
-  def forward(params, seqs):  # no-grad log-probs, minibatch by minibatch (one live at a time)
-    return jax.lax.map(lambda x: logp_fn(params, *x)[0], seqs)
+  def forward(params, seqs, fn=logp_fn):  # no-grad log-probs, one minibatch live at a time
+    return jax.lax.map(lambda x: fn(params, *x)[0], seqs)
 
   if cfg.fuse_pi_old:
     rest = forward(state.params, jax.tree.map(lambda x: x[1:], mb_seqs)) if m > 1 else None
@@ -402,7 +410,10 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   else:
     pi_old = forward(state.params, mb_seqs)
   pi_old = jax.lax.stop_gradient(pi_old)  # [m, B/m, T]
-  ref_logp = forward(state.ref_params, mb_seqs) if cfg.loss.kl_coef > 0 else None
+  ref_logp = None
+  if cfg.loss.kl_coef > 0:  # LoRA: the reference is the base with the adapters off
+    ref_logp = (forward(state.base, mb_seqs, model_logp) if cfg.lora is not None else
+                forward(state.ref_params, mb_seqs))
 
   def loss_fn(params, b: Batch, ref, old_in, is_first):
     logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
@@ -534,6 +545,30 @@ def train_step(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig
   return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh)
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+
+def model_params(params, base, cfg: StepConfig):
+  """What the update's model computes with: `params` itself, or (LoRA) the frozen base with
+  the adapters in `params` attached on the unmerged low-rank path (gradients reach only the
+  adapters, and no [in, out] weight gradient is formed)."""
+  return params if cfg.lora is None else lora_lib.attach(base, params, cfg.lora)
+
+
+def policy_params(state: TrainState, cfg: StepConfig):
+  """What the sampler and evaluation decode with: the params, or (LoRA) the base with the
+  adapters merged (cfg.lora.merge_for_sampling: W + scale * A @ B once per call, so each
+  decoded token costs what the full-parameter model's does) or attached unmerged."""
+  if cfg.lora is None:
+    return state.params
+  if cfg.lora.merge_for_sampling:
+    return _merge(state.base, state.params, cfg.lora)
+  return lora_lib.attach(state.base, state.params, cfg.lora)
+
+
+_merge = jax.jit(lora_lib.merge, static_argnums=2)
+
+
 # ----------------------------------------------------------------------------- state + jit
 
 
@@ -550,6 +585,8 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=shd.DEFAULT_RU
       opt_state=shd.shardings_like_params(abstract_state.opt_state, p_shard, mesh),
       rng=rep, step=rep, policy_version=rep,
       ref_params=None if abstract_state.ref_params is None else p_shard,
+      base=None if abstract_state.base is None else shd.param_shardings(
+          abstract_state.base, mesh, rules),
       selector=None if abstract_state.selector is None else jax.tree.map(
           lambda _: rep, abstract_state.selector),
       replay=replay)
@@ -559,19 +596,28 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
                num_prompts: int | None = None, prompt_groups=None,
                replay: replay_lib.ReplayConfig | None = None,
                prompt_width: int = 0, max_new_tokens: int = 0,
+               lora: lora_lib.LoRAConfig | None = None,
                rules=shd.DEFAULT_RULES) -> TrainState:
   """Places params on the mesh and builds the optimizer state with matching shardings.
+
+  lora: params become the frozen `base` (cast to lora.base_dtype) and the trainable
+  `params` are fresh adapters (B = 0: the policy starts equal to the base; A drawn from
+  `seed`); only the adapters get optimizer state, and no reference copy is made for KL.
 
   num_prompts: size of the prompt pool, for the pass-rate selector (None: no selector).
   prompt_groups: i32[num_prompts] difficulty bucket (0..K-1) of each prompt (None: one).
   replay: the ring's config (None: no ring); prompt_width / max_new_tokens size its rows.
   """
   def make(params):
+    base = None
+    if lora is not None:
+      base = lora_lib.cast_base(params, lora)
+      params = lora_lib.init_adapters(params, lora, seed)
     return TrainState(
         params=params, opt_state=tx.init(params),
         rng=jax.random.key_data(jax.random.key(seed)),
         step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
-        ref_params=params if with_ref else None,
+        ref_params=params if with_ref and lora is None else None, base=base,
         selector=None if num_prompts is None else selection.SelectorState.init(
             num_prompts, prompt_groups,
             1 if prompt_groups is None else int(np.max(prompt_groups)) + 1),
@@ -579,7 +625,7 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
             replay.capacity, prompt_width, max_new_tokens))
   abstract = jax.eval_shape(make, params)
   shardings = state_shardings(abstract, mesh, rules)
-  params = shd.put(params, shardings.params)
+  params = shd.put(params, shardings.params if lora is None else shardings.base)
   return jax.jit(make, out_shardings=shardings)(params)
 
 
