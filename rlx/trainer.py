@@ -25,6 +25,7 @@ from rlx import configs, distributed, evaluate, experiment, memory, metrics as m
 from rlx import tensorboard, train
 from rlx import sharding as shd
 from rlx.data import registry
+from rlx.model import lora as lora_lib
 from rlx.workdir import WorkdirLock
 
 
@@ -56,7 +57,7 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
       fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
       drop_zero_adv_rows=rl.drop_zero_adv_rows,
-      verifier=registry.verifier_for(spec.task, tokenizer))
+      verifier=registry.verifier_for(spec.task, tokenizer), lora=spec.lora)
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -161,7 +162,13 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
                            prompt_groups=np.unique(np.asarray(exp.train_pool.difficulty),
                                                    return_inverse=True)[1],
                            replay=cfg.replay, prompt_width=exp.train_pool.max_prompt_len,
-                           max_new_tokens=cfg.sampling.max_new_tokens)
+                           max_new_tokens=cfg.sampling.max_new_tokens, lora=cfg.lora)
+  if cfg.lora is not None:
+    n = lora_lib.num_params(state.params)
+    log(f"[rlx] LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "
+        f"{len(lora_lib.adapter_paths(state.params))} matrices: {n / 1e6:.3f}M trainable "
+        f"params ({100 * n / exp.model_cfg.num_params():.2f}% of the model), base frozen in "
+        f"{jax.tree.leaves(state.base)[0].dtype}")
   fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, jax.eval_shape(lambda: state))
   return Setup(spec=spec, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns)
 
@@ -349,7 +356,11 @@ def _config_diff(saved: dict | None, ours: dict, prefix: str = "") -> list[str]:
 # Settings that change the saved state's tree or shapes (optimizer chain, replay ring, selector,
 # reference params, prompt pool): a checkpoint made with other values cannot be restored.
 _LAYOUT_KEYS = ("optim.", "replay.", "selection.", "rl.kl_coef", "task.", "sampler.max_",
-                "model.", "tokenizer.")
+                "model.", "tokenizer.", "lora.")
+
+
+def _lora_rank(record: dict | None) -> int:
+  return int(((record or {}).get("lora") or {}).get("rank", 0) or 0)
 
 
 def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_cfg,
@@ -360,6 +371,14 @@ def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_
   import json  # pylint: disable=g-import-not-at-top
   saved = ckpt.read_meta(step).get("config")
   ours = json.loads(json.dumps(record, default=str))
+  theirs_lora, ours_lora = _lora_rank(saved), _lora_rank(ours)
+  if (theirs_lora > 0) != (ours_lora > 0):
+    what = lambda r: f"LoRA adapters (lora.rank={r})" if r else "all parameters (lora.rank=0)"
+    raise ckpt_lib.CheckpointError(
+        f"the checkpoint at {ckpt.directory}/{step} trains {what(theirs_lora)} and this config "
+        f"trains {what(ours_lora)}: a run cannot switch between LoRA and full-parameter "
+        f"training. Rerun with --config.lora.rank={theirs_lora} to resume, or pass a new "
+        f"--workdir to start a new run.")
   diff = _config_diff(saved, ours)
   try:
     state, _ = ckpt.restore(step, abstract, shardings, model_cfg)
@@ -441,7 +460,9 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
                                  verifier=setup.step_cfg.verifier, band=spec.task.band,
                                  host_reward=eval_reward,
                                  host=exp.eval_host, tokenizer=tok,
-                                 show_progress=show_progress, check_stop=stop.check)
+                                 show_progress=show_progress, check_stop=stop.check,
+                                 sampler_impl=setup.step_cfg.sampler_impl,
+                                 paged=setup.step_cfg.paged)
   band = spec.task.band
   base_eval_path = os.path.join(workdir, "eval_base.json")
   writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
@@ -453,7 +474,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     tb = tensorboard.SummaryWriter(os.path.join(workdir, "tb"), purge_step=start or None) if (
         main_process) else None
     if latest is None or not os.path.exists(base_eval_path):
-      base_eval = evaluator(state.params)
+      base_eval = evaluator(train.policy_params(state, setup.step_cfg))
       base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
       if main_process:
         ckpt_lib.save_json(base_eval_path, base_eval)
@@ -525,7 +546,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       skipped_in_a_row = (skipped_in_a_row + 1
                           if m["guard/skipped_updates"] >= updates_per_step else 0)
       if done % spec.eval_every == 0 or done == spec.total_steps:
-        last_eval = evaluator(state.params)
+        last_eval = evaluator(train.policy_params(state, setup.step_cfg))
         last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
         m.update(last_eval)
       writer.write(done, m)
@@ -561,7 +582,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     if closer is not None:
       closer()
 
-  final = last_eval if last_eval else evaluator(state.params)
+  final = last_eval if last_eval else evaluator(train.policy_params(state, setup.step_cfg))
   if "eval/band_accuracy" not in final:
     final["eval/band_accuracy"] = band_accuracy(final, band)
   log("[rlx] after RL:  " + _fmt_eval(final, band))
