@@ -9,7 +9,9 @@ What is resident depends on the phase of a step, so every line belongs to one:
   state      always resident: params, optimizer moments, reference params (kl_coef > 0),
              selector, prompt pool, replay ring.
   rollout    the sampler of one training step (KV cache / page pool, its temporaries).
-  eval       the dense greedy sampler over `sampler.eval_batch_size` prompts.
+  eval       rlx.evaluate.Evaluator: the run's sampler (sampler.impl), greedy, over
+               `sampler.eval_batch_size` prompts; paged: group_size=1 (every prompt
+               once), its own page pool per batch shard, params all-gathered under FSDP.
   update     both halves of the update: the training batch and its old / ref log-probs;
   logp         a no-grad forward over one minibatch (pi_old for minibatches after the
                first, whose pi_old comes from its own gradient pass; the KL reference);
@@ -38,6 +40,13 @@ Remat (`rl.remat`): the backward keeps each layer's input and rebuilds one layer
 XLA:CPU's scheduler realises almost none of that saving (measured: -6% of the update's
 temporaries where the model predicts -50%), so on CPU the plan keeps the no-remat upper
 bound; on TPU / GPU (or `remat_realised=True`) it counts layer inputs + one layer.
+
+Paged sampler (rollout and eval): the page pool, the params all-gathered into its shard_map
+under FSDP, and the transients of `_paged_sampler` (one prefill chunk's layer, admission's
+page copy, one decode layer's attention -- the "reference" kernel gathers every slot's pages
+-- or the decode logits, whichever is largest). In f32 the plan is within 3% of XLA:CPU's
+compiled rollout and evaluation; in bf16 XLA:CPU keeps f32 copies of the bf16 pool and of
+the weights (it upcasts bf16 scatters and matmuls), a CPU artefact the plan does not model.
 """
 
 from __future__ import annotations
@@ -401,30 +410,25 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   # ---- rollout: the step's sampler.
   rows = sel.groups_sampled_factor * int(rl.prompts_per_step) * g
   local = _cdiv(rows, nb)
+  # The paged sampler runs per batch shard under shard_map and reads the params replicated
+  # (P()): FSDP-split params are all-gathered once per call, in the dtype sampled with.
+  gathered = None
+  if nb > 1 and params_dev < params_full:
+    gathered = (sample_full, sample_dtype, _HINT_BF16 if lc is None else _HINT_LORA_BF16)
   if s.impl == "paged":
-    pc = s.paged
-    group = math.gcd(g, local)
-    lay = paged._Layout.make(local, group, pw, sp, pc)  # pylint: disable=protected-access
-    add("sampler KV pool (paged)",
-        2 * L * hkv * lay.num_pages * lay.page_size * hd * c,
-        f"2 x L={L} x Hkv={hkv} x {lay.num_pages} pages x {lay.page_size} x D={hd} x {c}B "
-        f"per shard ({local} seqs, {lay.slots} slots)", "rollout", _HINT_POOL)
-    if nb > 1 and params_dev < params_full:
-      add("sampler params (all-gathered)", sample_full,
-          f"paged shard_map reads params replicated: full {human(sample_full)} "
-          f"({sample_dtype})", "rollout", _HINT_BF16 if lc is None else _HINT_LORA_BF16)
-    chunk = lay.prefill_chunk
-    tmp = (chunk * hq * pw * pw * 8 + chunk * pw * (4 * d + 3 * cfg.mlp_dim) * c
-           + lay.slots * V * 4 * 3 + local * t_new * 8)
-    add("sampler temporaries (paged)", tmp,
-        f"prefill {chunk} prompts (Hq*P^2*8B + P*(4d+3F)*{c}B) + {lay.slots} slots x V x 4B "
-        "x3 + outputs", "rollout", _HINT_POOL, estimate=True)
+    _paged_sampler(add, cfg, "sampler", local, math.gcd(g, local), pw, sp, s.paged,
+                   "rollout", c, _HINT_POOL, gathered)
   else:
     _dense_sampler(add, cfg, "sampler", local, pw, t_new, "rollout", c, _HINT_PROMPTS)
 
-  # ---- eval: the dense greedy sampler.
+  # ---- eval: rlx.evaluate.Evaluator decodes `sampler.eval_batch_size` prompts at a time
+  # with the run's sampler (greedy); paged: every prompt once (group_size=1), per shard.
   eval_local = _cdiv(int(s.eval_batch_size), nb)
-  _dense_sampler(add, cfg, "eval sampler", eval_local, pw, t_new, "eval", c, _HINT_EVAL)
+  if s.impl == "paged":
+    _paged_sampler(add, cfg, "eval sampler", eval_local, 1, pw, sp, s.paged, "eval", c,
+                   _HINT_EVAL, gathered)
+  else:
+    _dense_sampler(add, cfg, "eval sampler", eval_local, pw, t_new, "eval", c, _HINT_EVAL)
 
   # ---- LoRA, merged for sampling: W + scale * A @ B for every adapted matrix, in the base
   # dtype and split like the base, built once per rollout (and per eval); the product is
@@ -522,6 +526,50 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   )
   return MemoryPlan(items=tuple(items), capacity_bytes=int(capacity), capacity_source=source,
                     mesh_shape=dict(sizes), activation_margin=margin, notes=notes)
+
+
+def _paged_sampler(add, cfg: ModelConfig, label: str, rows: int, group: int, pw: int,
+                   sp, pc: paged.PagedConfig, phase: str, c: int, hint: str,
+                   gathered: tuple[int, str, str] | None) -> None:
+  """KV page pool, all-gathered params and temporaries of rlx.sampler.paged for `rows`
+  sequences on one shard, in groups of `group` sharing a prompt (1: no sharing).
+  gathered: (bytes, dtype, hint) of the full params when shard_map all-gathers them."""
+  L, hkv, hq, hd, V = (cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
+                       cfg.vocab_size)
+  d, f, t_new = cfg.d_model, cfg.mlp_dim, sp.max_new_tokens
+  lay = paged._Layout.make(rows, group, pw, sp, pc)  # pylint: disable=protected-access
+  add(f"{label} KV pool (paged)",
+      2 * L * hkv * lay.num_pages * lay.page_size * hd * c,
+      f"2 x L={L} x Hkv={hkv} x {lay.num_pages} pages x {lay.page_size} x D={hd} x {c}B "
+      f"per shard ({rows} seqs, group {group}, {lay.slots} slots)", phase, hint)
+  if gathered is not None:
+    full, dtype, gather_hint = gathered
+    add(f"{label} params (all-gathered)", full,
+        f"paged shard_map reads params replicated: full {human(full)} ({dtype})", phase,
+        gather_hint)
+  # Transient, never live together (XLA:CPU buffer assignment, f32): one prefill chunk's
+  # layer (its attention, or its MLP's gate / up / product beside the residual); admission's
+  # partial-prompt-page copy, which reads one page per slot from every layer's K and V pool
+  # (all 2L reads live at once, even with group 1 where nothing is copied); one decode layer's
+  # attention over the slots (the "reference" kernel gathers each slot's pages: K and,
+  # promoted to f32, V, [S, M pages x page size, Hkv, D], plus f32 scores); or the decode
+  # logits. Persistent: the outputs (tokens, log-probs) and each group's last hidden state.
+  chunk, slots = lay.prefill_chunk, lay.slots
+  ctx = lay.pages_per_seq * lay.page_size
+  prefill = chunk * pw * max(hq * pw * 8 + 4 * d * c, (d + 3 * f) * c)
+  admit = 2 * L * hkv * slots * lay.page_size * hd * c
+  gathers = pc.attention_impl == "reference" or (
+      pc.attention_impl == "pallas" and jax.default_backend() == "cpu")
+  attn = slots * hq * ctx * 4 + (slots * hkv * ctx * hd * (c + 4) if gathers else 0)
+  logits = slots * V * 4 * 3
+  persistent = rows * t_new * 8 + lay.num_groups * d * c
+  attn_formula = (f"{slots} slots x ctx={ctx} x (Hkv*D*({c}+4)B gathered K,V + Hq*4B)"
+                  if gathers else f"{slots} slots x ctx={ctx} x Hq*4B")
+  add(f"{label} temporaries (paged)", max(prefill, admit, attn, logits) + persistent,
+      f"max(prefill {chunk} prompts x P={pw} x max(Hq*P*8B + 4d*{c}B, (d+3F)*{c}B), admit "
+      f"page copy 2L x {slots} slots x Hkv*{lay.page_size}*D*{c}B, decode attention "
+      f"{attn_formula} ({pc.attention_impl}), {slots} slots x V x 4B x3) + outputs",
+      phase, hint, estimate=True)
 
 
 def _dense_sampler(add, cfg: ModelConfig, label: str, rows: int, pw: int, t_new: int,
