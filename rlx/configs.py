@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections as mlc
 
 from rlx.model.config import ModelConfig
@@ -492,8 +493,14 @@ def lora_config(config: mlc.ConfigDict) -> LoRAConfig | None:
         f"config.lora.targets={lc.targets!r}; expected a regex over parameter paths such as "
         f"'(q|v)_proj$' (paths look like 'layer_0/attn/q_proj').")
   try:
+    try:  # the wider of the base's and the compute dtype (see LoRAConfig.merge_dtype)
+      merge = str(jnp.promote_types(jnp.dtype(lc.base_dtype or config.model.param_dtype),
+                                    jnp.dtype(config.model.dtype)))
+    except TypeError:  # a bad model dtype: the model's own check names it
+      merge = ""
     return LoRAConfig(rank=rank, alpha=float(lc.alpha), targets=(lc.targets,),
-                      base_dtype=lc.base_dtype, merge_for_sampling=bool(lc.merge_for_sampling))
+                      base_dtype=lc.base_dtype, merge_for_sampling=bool(lc.merge_for_sampling),
+                      merge_dtype=merge)
   except ValueError as e:
     raise ConfigError(f"config.lora: {e}") from None
 

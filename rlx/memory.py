@@ -434,13 +434,15 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   # dtype and split like the base, built once per rollout (and per eval); the product is
   # formed in f32 one matrix at a time.
   if lc is not None and lc.merge_for_sampling:
-    merged = sum(_nbytes(base_splits[t][0]) // base_splits[t][1] for t in targets)
+    mdt = jnp.dtype(lc.merge_dtype) if lc.merge_dtype else bdt  # the wider of base, compute
+    merged = sum(math.prod(base_splits[t][0].shape) * mdt.itemsize // base_splits[t][1]
+                 for t in targets)
     big_t = max(targets, key=lambda t: _nbytes(base_splits[t][0]) // base_splits[t][1])
     big_leaf, big_s = base_splits[big_t]
     delta = math.prod(big_leaf.shape) * 4 // big_s
     for phase in ("rollout", "eval"):
       add(f"merged adapted weights ({phase})", merged + delta,
-          f"{len(targets)} matrices x {bdt.itemsize}B split like the base + f32 A@B of "
+          f"{len(targets)} matrices x {mdt.itemsize}B ({mdt.name}) split like the base + f32 A@B of "
           f"{big_t} {tuple(big_leaf.shape)}", phase, _HINT_MERGE)
 
   # ---- update (rlx.train.update): log-probs only at the T completion positions, chunk by

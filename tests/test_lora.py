@@ -87,17 +87,23 @@ def _lora_state(cfg, mesh, *, noisy=0.3, lr=1e-2, with_ref=False, lc=LCFG):
   return g, params, tx, state, fns
 
 
-@pytest.mark.parametrize("merge_for_sampling", [True, False])
-def test_only_adapters_train_and_behaviour_logprobs_equal_the_trainers(merge_for_sampling):
+@pytest.mark.parametrize("merge_for_sampling,base_dtype", [
+    (True, ""), (False, ""), (True, "bfloat16")])
+def test_only_adapters_train_and_behaviour_logprobs_equal_the_trainers(merge_for_sampling,
+                                                                       base_dtype):
   mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  # A bf16 base under f32 compute merges into f32 (what configs.lora_config sets): rounding
+  # the merged weights to bf16 would lose small adapter updates the trainer's path keeps.
   lc = lora.LoRAConfig(rank=4, alpha=8.0, targets=LCFG.targets,
-                       merge_for_sampling=merge_for_sampling)
+                       merge_for_sampling=merge_for_sampling, base_dtype=base_dtype,
+                       merge_dtype="float32" if base_dtype else "")
   cfg = step_config(num_updates=1, num_minibatches=1, lora=lc)
   # Adapters of a trained run's size (noise 0.1: |delta W| ~ |W| / 3). Much larger ones make
   # logits large enough that f32 rounding alone moves log-probs by ~1e-5, with or without
   # LoRA (measured: the full-parameter step on the same merged weights drifts as much).
   g, params, _, state, fns = _lora_state(cfg, mesh, lc=lc, noisy=0.1)
   assert state.ref_params is None
+  assert jax.tree.leaves(state.base)[0].dtype == (base_dtype or "float32")
   n_adapter = lora.num_params(state.params)
   opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
   assert sum(x.size for x in opt_leaves) == 2 * n_adapter  # Adam moments of the adapters only
@@ -193,12 +199,37 @@ def test_lora_checkpoint_resumes_exactly(tmp_path):
   assert jax.device_get(m)["loss/policy"] == hist[-1]["loss/policy"]
 
 
+def test_a_checkpoint_from_before_the_base_field_restores(tmp_path):
+  """Checkpoints written before TrainState.base existed (no such entry on disk) still
+  restore into today's state when it has no base (full-parameter runs)."""
+  mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  g, params = init_params(CFG, 0)
+  tx = train.make_optimizer(1e-2, 10)
+  state = train.init_state(params, tx, 0, mesh)
+  old_layout = {f: getattr(state, f) for f in ("params", "opt_state", "rng", "step",
+                                                "policy_version", "ref_params", "selector",
+                                                "replay")}
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path), async_save=False)
+  ckpt.save(1, old_layout, {"model": CFG.to_dict()})
+  ckpt.wait()
+  abstract = jax.eval_shape(lambda: state)
+  shardings = train.state_shardings(abstract, mesh)
+  restored, _ = ckpt.restore(1, abstract, shardings, CFG)
+  ckpt.close()
+  assert isinstance(restored, train.TrainState) and restored.base is None
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_a_lora_workdir_refuses_a_full_parameter_config(tmp_path):
   over = {"lora.rank": 2, "total_steps": 1, "checkpoint_every": 1, "sft.steps": 2}
   logs = []
   trainer.run(runlocal_config(**over), str(tmp_path), log=logs.append, show_progress=False,
               devices=jax.devices()[:1])
   assert any("LoRA rank 2" in l and "trainable" in l for l in logs)
+  with pytest.raises(ckpt_lib.CheckpointError, match=r"other LoRA settings \(lora.alpha: "
+                     r"checkpoint 32.0, now 16.0\)"):
+    trainer.run(runlocal_config(**over, **{"lora.alpha": 16.0}), str(tmp_path), **QUIET)
   full = {k: v for k, v in over.items() if not k.startswith("lora.")}
   full["total_steps"] = 2
   with pytest.raises(ckpt_lib.CheckpointError, match=r"trains LoRA adapters \(lora.rank=2\) "

@@ -55,6 +55,10 @@ class LoRAConfig:
   targets: tuple[str, ...] = DEFAULT_TARGETS
   base_dtype: str = ""
   merge_for_sampling: bool = True
+  # dtype of the merged weights the sampler decodes with ("" = W's): the wider of the base's
+  # and the compute dtype, so a bf16 base under f32 compute keeps the whole f32 update
+  # instead of rounding small adapter deltas away (the update's unmerged path keeps them).
+  merge_dtype: str = ""
 
   def __post_init__(self):
     if not (isinstance(self.rank, int) and self.rank >= 1):
@@ -98,11 +102,11 @@ class LoRAWeight:
   def dtype(self):
     return self.w.dtype
 
-  def dense(self) -> jax.Array:
-    """W + scale * A @ B in W's dtype (the product in f32)."""
+  def dense(self, dtype=None) -> jax.Array:
+    """W + scale * A @ B in `dtype` (default W's; the product and the sum in f32)."""
     delta = jnp.dot(self.a.astype(jnp.float32), self.b.astype(jnp.float32),
                     precision=jax.lax.Precision.HIGHEST)
-    return (self.w.astype(jnp.float32) + self.scale * delta).astype(self.w.dtype)
+    return (self.w.astype(jnp.float32) + self.scale * delta).astype(dtype or self.w.dtype)
 
 
 def linear(eq: str, x, w, dtype, **kwargs):
@@ -196,11 +200,13 @@ def attach(base: Params, adapters: Params, cfg: LoRAConfig) -> Params:
 
 
 def merge(base: Params, adapters: Params, cfg: LoRAConfig) -> Params:
-  """The base tree with W + scale * A @ B at each adapted leaf (dense, W's dtype)."""
+  """The base tree with W + scale * A @ B at each adapted leaf (dense, in cfg.merge_dtype,
+  default W's dtype)."""
   out = jax.tree.map(lambda x: x, base)
   for path in adapter_paths(adapters):
     ad = _get(adapters, path)
-    _set(out, path, LoRAWeight(_get(base, path), ad["a"], ad["b"], cfg.scale).dense())
+    _set(out, path, LoRAWeight(_get(base, path), ad["a"], ad["b"], cfg.scale).dense(
+        cfg.merge_dtype or None))
   return out
 
 
