@@ -28,6 +28,24 @@ def _abstract(tree, shardings):
                       shardings)
 
 
+# State fields added after checkpoints were first written, None unless a feature uses them:
+# a checkpoint without them restores as long as they are None in the target.
+_LATER_FIELDS = ("base",)
+
+
+def _without_later_fields(target) -> dict | None:
+  """The target state as a dict of its fields without the later ones that are None; None
+  if it has no such field (nothing to retry)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  if not dataclasses.is_dataclass(target):
+    return None
+  fields = {f.name: getattr(target, f.name) for f in dataclasses.fields(target)}
+  dropped = [f for f in _LATER_FIELDS if f in fields and fields[f] is None]
+  if not dropped:
+    return None
+  return {k: v for k, v in fields.items() if k not in dropped}
+
+
 class Checkpointer:
   """Saves and restores TrainState-like pytrees under WORKDIR/checkpoints."""
 
@@ -74,9 +92,21 @@ class Checkpointer:
           f"The checkpoint at {os.path.join(self.directory, str(step))} holds a different "
           f"model ({'; '.join(diffs[:4])}). Use a new --workdir, or the config it was made "
           f"with.")
+    target = _abstract(abstract_state, shardings)
     try:
-      out = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(_abstract(abstract_state, shardings))))
+      try:
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))
+      except ValueError as e:
+        older = _without_later_fields(target)
+        if older is None or "tree structures do not match" not in str(e):
+          raise
+        # A checkpoint written before a state field that is None here was added (e.g.
+        # TrainState.base, LoRA's frozen base): restore the fields it has.
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(older)))
+        out = {"state": type(target)(**out["state"], **{
+            f: None for f in _LATER_FIELDS if f not in out["state"]})}
     except Exception as e:
       first = " ".join(str(e).split())[:200]
       raise CheckpointError(

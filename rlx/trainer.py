@@ -379,6 +379,15 @@ def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_
         f"trains {what(ours_lora)}: a run cannot switch between LoRA and full-parameter "
         f"training. Rerun with --config.lora.rank={theirs_lora} to resume, or pass a new "
         f"--workdir to start a new run.")
+  if theirs_lora and ours_lora:
+    keys = ("rank", "alpha", "targets", "base_dtype")
+    changed = [f"lora.{k}: checkpoint {saved['lora'].get(k)!r}, now {ours['lora'].get(k)!r}"
+               for k in keys if saved["lora"].get(k) != ours["lora"].get(k)]
+    if changed:  # a changed alpha or base dtype would restore, and silently change the policy
+      raise ckpt_lib.CheckpointError(
+          f"the checkpoint at {ckpt.directory}/{step} was made with other LoRA settings "
+          f"({'; '.join(changed)}): its adapters only mean the same policy with those. Rerun "
+          f"with the checkpoint's settings to resume, or pass a new --workdir.")
   diff = _config_diff(saved, ours)
   try:
     state, _ = ckpt.restore(step, abstract, shardings, model_cfg)
