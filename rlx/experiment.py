@@ -58,8 +58,12 @@ def data_dir_of(spec: configs.RunSpec, workdir: str) -> str:
 
 
 def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = False,
-          show_progress: bool = True, check_stop=None) -> Experiment:
+          show_progress: bool = True, check_stop=None, mesh=None) -> Experiment:
   """Everything the trainer needs, built (or read from cache) on the host.
+
+  mesh: the base model's weights are placed on it as they load (sharded by the default
+  rules), so a model larger than one device's memory never sits on one device; a LoRA run
+  loads its frozen base in lora.base_dtype.
 
   resuming: the workdir holds checkpoints; its cached base model must then match the config
   (otherwise the run would silently continue from a different starting point).
@@ -76,11 +80,12 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
   model_path = spec.model.path
   if model_path:
     tokenizer = load_tokenizer(spec.tokenizer.path or model_path)
-    model_cfg, params = hf.load_hf(model_path, dtype=spec.model.dtype,
-                                   param_dtype=spec.model.param_dtype)
+    model_cfg, params = hf.load_hf(
+        model_path, dtype=spec.model.dtype, mesh=mesh,
+        param_dtype=(spec.lora.base_dtype if spec.lora else "") or spec.model.param_dtype)
   else:
     tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
-    model_cfg, params = hf.load_hf(chosen, dtype=spec.model.dtype)
+    model_cfg, params = hf.load_hf(chosen, dtype=spec.model.dtype, mesh=mesh)
   graphdef = transformer.graphdef_for(model_cfg)
 
   if task.eval_levels:

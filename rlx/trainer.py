@@ -139,7 +139,7 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
   has_checkpoints = os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
       name.isdigit() for name in os.listdir(os.path.join(workdir, "checkpoints")))
   exp = experiment.setup(spec, workdir, log=log, resuming=has_checkpoints,
-                         show_progress=show_progress, check_stop=check_stop)
+                         show_progress=show_progress, check_stop=check_stop, mesh=mesh)
   log(f"[rlx] model: {exp.model_cfg.num_params() / 1e6:.2f}M params "
       f"({exp.model_cfg.num_layers} layers, d_model {exp.model_cfg.d_model}); base: "
       f"{exp.base_source}")
