@@ -89,14 +89,7 @@ def qwen_config() -> tuple[mlc.ConfigDict, ModelConfig]:
 
 
 def _set(config: mlc.ConfigDict, overrides: dict) -> mlc.ConfigDict:
-  config = mlc.ConfigDict(config.to_dict())
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return configs.with_overrides(config, overrides)
 
 
 def plan_7b(shape: str, chips: int, chip_bytes: int, method: dict,

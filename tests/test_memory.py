@@ -25,13 +25,20 @@ def _config(**overrides) -> mlc.ConfigDict:
   arith = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(arith)
   c = arith.get_config("runlocal")  # 2 layers, d_model 32: every dim divisible by 2 and 4
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return c
+  return configs.with_overrides(c, overrides)
+
+
+def _abstract_rollouts(rows: int, p: int, t: int) -> "train.Rollouts":
+  """Shapes of one step's rollouts (rows x prompt p + completion t), for compiling the update."""
+  sds = jax.ShapeDtypeStruct
+  i32, f32 = jax.numpy.int32, jax.numpy.float32
+  batch = train.Batch(
+      prompts=sds((rows, p), i32), prompt_lens=sds((rows,), i32),
+      completions=sds((rows, t), i32), behaviour_logp=sds((rows, t), f32),
+      lengths=sds((rows,), i32), truncated=sds((rows,), bool), rewards=sds((rows,), f32),
+      advantages=sds((rows,), f32), prompt_ids=sds((rows,), i32), difficulty=sds((rows,), i32),
+      policy_version=sds((rows,), i32))
+  return train.Rollouts(batch, {"ledger/tokens_discarded": sds((), f32)})
 
 
 def _model(config):
@@ -178,13 +185,7 @@ def test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows():
   tx = train.make_optimizer(1e-3, 10)
   sds = jax.ShapeDtypeStruct
   i32, f32 = jax.numpy.int32, jax.numpy.float32
-  batch = train.Batch(
-      prompts=sds((rows, p), i32), prompt_lens=sds((rows,), i32),
-      completions=sds((rows, t), i32), behaviour_logp=sds((rows, t), f32),
-      lengths=sds((rows,), i32), truncated=sds((rows,), bool), rewards=sds((rows,), f32),
-      advantages=sds((rows,), f32), prompt_ids=sds((rows,), i32), difficulty=sds((rows,), i32),
-      policy_version=sds((rows,), i32))
-  ro = train.Rollouts(batch, {"ledger/tokens_discarded": sds((), f32)})
+  ro = _abstract_rollouts(rows, p, t)
   state = jax.eval_shape(lambda params: train.TrainState(
       params=params, opt_state=tx.init(params), rng=jax.numpy.zeros((2,), jax.numpy.uint32),
       step=jax.numpy.zeros((), i32), policy_version=jax.numpy.zeros((), i32)), abstract)
@@ -321,13 +322,7 @@ def test_a_lora_update_with_kl_compiles_to_what_the_plan_says():
   tx = train.make_optimizer(1e-3, 10)
   sds = jax.ShapeDtypeStruct
   i32, f32 = jax.numpy.int32, jax.numpy.float32
-  batch = train.Batch(
-      prompts=sds((rows, p), i32), prompt_lens=sds((rows,), i32),
-      completions=sds((rows, t), i32), behaviour_logp=sds((rows, t), f32),
-      lengths=sds((rows,), i32), truncated=sds((rows,), bool), rewards=sds((rows,), f32),
-      advantages=sds((rows,), f32), prompt_ids=sds((rows,), i32), difficulty=sds((rows,), i32),
-      policy_version=sds((rows,), i32))
-  ro = train.Rollouts(batch, {"ledger/tokens_discarded": sds((), f32)})
+  ro = _abstract_rollouts(rows, p, t)
 
   def make(params):
     adapters = lora_lib.init_adapters(params, lc)
