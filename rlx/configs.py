@@ -217,6 +217,21 @@ class MeshSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  """config.pipeline (rlx.pipeline): "sync" runs generation and the update in turn on one
+  mesh; "overlap" splits the devices into a generator and a learner sub-mesh and runs them at
+  once, the generator `max_staleness` steps ahead."""
+
+  mode: str = "sync"
+  generator_devices: int = 0  # overlap: devices that generate (0: half of them)
+  generator_tensor: int = 1  # overlap: tensor-parallel size of the generator sub-mesh
+  max_staleness: int = 1  # overlap: batches in flight (0: the sync step on two sub-meshes)
+
+
+PIPELINE_MODES = ("sync", "overlap")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
   every: int
   keep: int  # newest checkpoints kept (>= 1); 0 keeps every checkpoint
@@ -247,6 +262,7 @@ class RunSpec:
   mesh: MeshSpec
   record: dict[str, Any]  # the ConfigDict as JSON (config.json, checkpoint metadata)
   lora: LoRAConfig | None = None  # None: full-parameter training
+  pipeline: PipelineSpec = PipelineSpec()
 
 
 def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
@@ -361,6 +377,7 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
           f"{' or -1 (the devices left over)' if axis == 'data' else ''}.")
   mesh = MeshSpec(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor)
   lora = lora_config(config)
+  pipeline = pipeline_spec(config)
 
   return RunSpec(
       seed=int(config.seed), total_steps=config.total_steps, eval_every=config.eval_every,
@@ -376,7 +393,26 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
                 update_buckets=_int(config, "rl.update_buckets", 1, 64),
                 drop_zero_adv_rows=bool(rl.drop_zero_adv_rows)),
       selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
-      guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config), lora=lora)
+      guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config), lora=lora,
+      pipeline=pipeline)
+
+
+def pipeline_spec(config: mlc.ConfigDict) -> PipelineSpec:
+  """config.pipeline as a PipelineSpec (configs written before it existed: sync)."""
+  if "pipeline" not in config:
+    return PipelineSpec()
+  p = config.pipeline
+  _need(p.mode in PIPELINE_MODES,
+        f"config.pipeline.mode={p.mode!r}; expected one of {PIPELINE_MODES}.")
+  spec = PipelineSpec(mode=p.mode,
+                      generator_devices=_int(config, "pipeline.generator_devices", 0),
+                      generator_tensor=_int(config, "pipeline.generator_tensor", 1),
+                      max_staleness=_int(config, "pipeline.max_staleness", 0, 64))
+  if spec.mode == "overlap":
+    _need(not config.fused_step,
+          "config.fused_step=True with config.pipeline.mode='overlap': the fused step runs "
+          "generation and the update as one program on one mesh; overlap runs them as two.")
+  return spec
 
 
 def _ints(config, key: str) -> tuple[int, ...]:
@@ -711,6 +747,14 @@ def defaults() -> mlc.ConfigDict:
   c.lora.dropout = 0.0  # only 0 is supported
   c.lora.base_dtype = ""  # frozen base dtype: "" (the model's) | float32 | bfloat16
   c.lora.merge_for_sampling = True  # the sampler decodes with W + scale*A@B merged per step
+
+  # Generation and training on two sub-meshes at once (rlx.pipeline). config.mesh then shapes
+  # the learner's sub-mesh; the generator's is data-parallel (x generator_tensor).
+  c.pipeline = mlc.ConfigDict()
+  c.pipeline.mode = "sync"  # sync | overlap
+  c.pipeline.generator_devices = 0  # overlap: devices that generate (0: half)
+  c.pipeline.generator_tensor = 1
+  c.pipeline.max_staleness = 1  # overlap: the generator runs this many steps ahead
 
   c.mesh = mlc.ConfigDict()
   c.mesh.data = -1  # -1: the devices left over

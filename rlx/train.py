@@ -507,6 +507,13 @@ def ledger(fresh: Batch, stats: dict, batch: Batch, mask, old_logp, replayed, po
       "ledger/truncated_frac": fresh.truncated.astype(jnp.float32).mean(),
       "ledger/response_len_mean": lengths.mean(),
       "ledger/logp_drift_max": drift.max(),
+      # Optimizer updates between the policy that generated each fresh row and the one
+      # trained (0 in the sync step; up to pipeline.max_staleness x updates per step in
+      # overlap mode, rlx.pipeline).
+      "ledger/staleness_mean": (policy_version - fresh.policy_version).astype(
+          jnp.float32).mean(),
+      "ledger/staleness_max": (policy_version - fresh.policy_version).max().astype(
+          jnp.float32),
       **stats,
   }
   out["ledger/tokens_wasted"] = out["ledger/tokens_zero_adv"] + out["ledger/tokens_discarded"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from rlx import checkpoint as ckpt_lib
 from rlx import configs, distributed, evaluate, experiment, memory, metrics as metrics_lib
-from rlx import tensorboard, train
+from rlx import pipeline, tensorboard, train
 from rlx import sharding as shd
 from rlx.data import registry
 from rlx.model import lora as lora_lib
@@ -109,6 +109,7 @@ class Setup:
   tx: Any
   state: train.TrainState
   fns: train.StepFns
+  gen_mesh: Any = None  # overlap mode: the generator's sub-mesh (`mesh` is the learner's)
 
   @property
   def held_out(self):
@@ -117,10 +118,14 @@ class Setup:
 
 
 def resolve(config: mlc.ConfigDict | configs.RunSpec, devices=None):
-  """(RunSpec, mesh): the config checked against the mesh it will run on."""
+  """(RunSpec, mesh): the config checked against the mesh it will run on (overlap mode: the
+  learner's sub-mesh; `pipeline.make_meshes` gives both)."""
   spec = configs.resolve(config)
   m = spec.mesh
-  mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+  if spec.pipeline.mode == "overlap":
+    mesh = pipeline.make_meshes(spec, devices)[1]
+  else:
+    mesh = shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
   if not isinstance(config, configs.RunSpec):
     spec = configs.resolve(config, shd.batch_size_of(mesh))
   return spec, mesh
@@ -170,7 +175,14 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
         f"params ({100 * n / exp.model_cfg.num_params():.2f}% of the model), base frozen in "
         f"{jax.tree.leaves(state.base)[0].dtype}")
   fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, jax.eval_shape(lambda: state))
-  return Setup(spec=spec, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns)
+  gen_mesh = None
+  if spec.pipeline.mode == "overlap":
+    gen_mesh = pipeline.make_meshes(spec, devices)[0]
+    log(f"[rlx] pipeline overlap: generator sub-mesh {dict(gen_mesh.shape)}, learner "
+        f"sub-mesh {dict(mesh.shape)}, generator up to {spec.pipeline.max_staleness} "
+        f"step(s) ahead")
+  return Setup(spec=spec, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns,
+               gen_mesh=gen_mesh)
 
 
 def dry_run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
@@ -388,6 +400,18 @@ def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_
           f"the checkpoint at {ckpt.directory}/{step} was made with other LoRA settings "
           f"({'; '.join(changed)}): its adapters only mean the same policy with those. Rerun "
           f"with the checkpoint's settings to resume, or pass a new --workdir.")
+  pipe = lambda r: (((r or {}).get("pipeline") or {}).get("mode", "sync"),
+                    ((r or {}).get("pipeline") or {}).get("max_staleness", 1))
+  (theirs_mode, theirs_k), (ours_mode, ours_k) = pipe(saved), pipe(ours)
+  if theirs_mode != ours_mode or (ours_mode == "overlap" and theirs_k != ours_k):
+    held = (f"pipeline.mode={theirs_mode!r}" + (f", pipeline.max_staleness={theirs_k}"
+                                                  if theirs_mode == "overlap" else ""))
+    raise ckpt_lib.CheckpointError(
+        f"the checkpoint at {ckpt.directory}/{step} was written with {held} (an overlap "
+        f"checkpoint holds the batches in flight, one per step of staleness) and this config "
+        f"has pipeline.mode={ours_mode!r}"
+        f"{f', max_staleness={ours_k}' if ours_mode == 'overlap' else ''}. Rerun with the "
+        f"checkpoint's pipeline settings to resume, or pass a new --workdir.")
   diff = _config_diff(saved, ours)
   try:
     state, _ = ckpt.restore(step, abstract, shardings, model_cfg)
@@ -437,6 +461,11 @@ def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
 def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
          stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
   host_reward = host_reward_fn(spec)  # an unknown reward fails before any work
+  if host_reward is not None and spec.pipeline.mode == "overlap":
+    raise configs.ConfigError(
+        f"config.pipeline.mode='overlap' with the host Python reward config.task.reward="
+        f"{spec.task.reward!r}: overlap mode scores rollouts with the task's jnp verifier on "
+        f"the devices; use pipeline.mode='sync' for host rewards.")
   setup = build(spec, workdir, log=log, devices=devices, show_progress=show_progress,
                 check_stop=stop.check)
   stop.check()
@@ -449,11 +478,29 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
   meta = {"model": exp.model_cfg.to_dict(), "config": spec.record}
   start = 0
   latest = ckpt.latest_step()
+  overlap = None
+  if spec.pipeline.mode == "overlap":
+    overlap = pipeline.Overlap(
+        exp.graphdef, setup.step_cfg, fns, gen_mesh=setup.gen_mesh, learn_mesh=mesh,
+        pool=exp.train_pool, abstract_state=abstract,
+        max_staleness=spec.pipeline.max_staleness, total_steps=spec.total_steps)
+  restored = None
   if latest is not None:
-    state = _restore(ckpt, latest, abstract, fns.state_sharding, exp.model_cfg, spec.record,
-                     log)
+    if overlap is not None:
+      restored = _restore(ckpt, latest, *overlap.abstract_checkpoint(abstract, int(latest)),
+                          exp.model_cfg, spec.record, log)
+      state = restored.learner
+    else:
+      state = _restore(ckpt, latest, abstract, fns.state_sharding, exp.model_cfg,
+                       spec.record, log)
     start = int(latest)
     log(f"[rlx] resumed from {ckpt.directory}/{latest}")
+  if overlap is not None:  # the first batches go to the generator before anything else
+    state = overlap.start(state, start, restored)
+  # What evaluation decodes with (overlap: the generator's copy of the latest policy).
+  eval_params = (lambda s: overlap.gen_params) if overlap is not None else (
+      lambda s: train.policy_params(s, setup.step_cfg))
+  to_save = (lambda s: overlap.checkpoint(s)) if overlap is not None else (lambda s: s)
 
   greedy = spec.sampler.sampling(eos_id=tok.eos_id, pad_id=tok.pad_id,
                                  stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
@@ -465,7 +512,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       return _call_host_reward(lambda: host_reward(*args, **kwargs), name=reward_name,
                                timeout_s=spec.task.reward_timeout_s, stop=None)
   evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
-                                 spec.sampler.eval_batch_size, mesh,
+                                 spec.sampler.eval_batch_size,
+                                 setup.gen_mesh if overlap is not None else mesh,
                                  verifier=setup.step_cfg.verifier, band=spec.task.band,
                                  host_reward=eval_reward,
                                  host=exp.eval_host, tokenizer=tok,
@@ -483,7 +531,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     tb = tensorboard.SummaryWriter(os.path.join(workdir, "tb"), purge_step=start or None) if (
         main_process) else None
     if latest is None or not os.path.exists(base_eval_path):
-      base_eval = evaluator(train.policy_params(state, setup.step_cfg))
+      base_eval = evaluator(eval_params(state))
       base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
       if main_process:
         ckpt_lib.save_json(base_eval_path, base_eval)
@@ -526,6 +574,9 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
             batch, setup.step_cfg, shd.batch_size_of(mesh), scored=False))
         m = jax.device_get(m)
         t_gen, t_upd = t1 - t0, time.perf_counter() - t1
+      elif overlap is not None:
+        state, m = overlap.step(state, step)
+        t_gen, t_upd = m["time/generate_s"], m["time/update_s"]
       elif spec.fused_step:
         state, m = fns.train_step(state, pool)
         m = jax.device_get(m)
@@ -545,7 +596,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       _check_rewards(m, exp, spec)
       m["time/generate_s"] = t_gen
       m["time/update_s"] = t_upd
-      m["time/step_s"] = t_gen + t_upd
+      if overlap is None:  # overlap: the step's wall time, with both halves at once
+        m["time/step_s"] = t_gen + t_upd
       m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
       if step > start:  # the first step of a process includes compilation
         gen_times.append(t_gen)
@@ -555,7 +607,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       skipped_in_a_row = (skipped_in_a_row + 1
                           if m["guard/skipped_updates"] >= updates_per_step else 0)
       if done % spec.eval_every == 0 or done == spec.total_steps:
-        last_eval = evaluator(train.policy_params(state, setup.step_cfg))
+        last_eval = evaluator(eval_params(state))
         last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
         m.update(last_eval)
       writer.write(done, m)
@@ -571,9 +623,9 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
             f"max_consecutive_skips={max_skips}). Lower config.optim.lr, check the rewards, "
             f"or resume from the last checkpoint in {ckpt.directory}.")
       if stop.signum is not None:
-        _preempt(saver, done, state, meta, stop)
+        _preempt(saver, done, to_save(state), meta, stop)
       if done % spec.checkpoint.every == 0 or done == spec.total_steps:
-        saver.save(done, state, meta)
+        saver.save(done, to_save(state), meta)
         _fault("kill_in_save", done)
     stop.deferred = False
     saver.close()
@@ -591,7 +643,7 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     if closer is not None:
       closer()
 
-  final = last_eval if last_eval else evaluator(train.policy_params(state, setup.step_cfg))
+  final = last_eval if last_eval else evaluator(eval_params(state))
   if "eval/band_accuracy" not in final:
     final["eval/band_accuracy"] = band_accuracy(final, band)
   log("[rlx] after RL:  " + _fmt_eval(final, band))
