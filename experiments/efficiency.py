@@ -1,8 +1,11 @@
 r"""Tokens-to-target benchmark: does rlx reach the same accuracy with fewer generated tokens?
 
-All arms start from the same warm-start model (experiments/arith.py's) and train on the same
-prompt pool, which mixes solved (2-digit), uncertain (3-4 digit, the band) and impossible
-(5-digit) problems, as a real RL data set does. Accuracy is greedy, held-out, on the band.
+--task=arith (default): all arms start from the same warm-start model (experiments/arith.py's)
+and train on the same prompt pool, which mixes solved (2-digit), uncertain (3-4 digit, the
+band) and impossible (5-digit) problems, as a real RL data set does.
+--task=reasoning: experiments/reasoning.py (worked column addition, 15-200-token completions),
+with its length reward off in every arm but K, and 200 held-out problems per band level (3-4
+digits). Accuracy is greedy, held-out, on the band.
 
   B0     plain GRPO: uniform prompts, fresh rollouts only
   B1     B0 + DAPO dynamic filtering (2x oversampling, zero-variance groups dropped)
@@ -10,6 +13,7 @@ prompt pool, which mixes solved (2-digit), uncertain (3-4 digit, the band) and i
   R      replay ring (decoupled-PPO correction)
   S+R    both
   S+R+L  both + DAPO overlong shaping and filtering
+  K      B0 + Kimi k1.5's group length reward (length.length_reward; the reasoning default)
 
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
@@ -21,6 +25,7 @@ interval over seeds.
 
   python experiments/efficiency.py --quick --workdir_root=/tmp/rlx_eff      # 3 seeds, 80 steps
   python experiments/efficiency.py --workdir_root=/tmp/rlx_eff_full --seeds=4  # 200 steps
+  python experiments/efficiency.py --task=reasoning --workdir_root=/tmp/rlx_eff_reason  # 100
 """
 
 from __future__ import annotations
@@ -33,18 +38,22 @@ import time
 import numpy as np
 from absl import app, flags
 
+_TASK = flags.DEFINE_enum("task", "arith", ["arith", "reasoning"], "Task family.")
 _ROOT = flags.DEFINE_string("workdir_root", "/tmp/rlx_efficiency", "Where runs go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short runs (<= 15 min on 2 cores).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per arm.")
-_STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0: 80 quick, 200 full).")
+_STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0: arith 80 quick, 200 full; "
+                              "reasoning 60 quick, 100 full).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Steps between evals (0: 5).")
 _SELECT = flags.DEFINE_string("select_mode", "band", "Selection mode of the S arms.")
-_ARMS = flags.DEFINE_list("arms", ["B0", "B1", "S", "R", "S+R", "S+R+L"], "Arms to run.")
+_ARMS = flags.DEFINE_list("arms", [], "Arms to run (empty: B0 B1 S R S+R S+R+L, and K "
+                          "for --task=reasoning).")
 _BASE_DIR = flags.DEFINE_string("base_dir", "", "A warm-start dir to reuse (else made).")
 _REPLAY_PRIORITY = flags.DEFINE_string("replay_priority", "uniform", "R arms: priority.")
 _REPLAY_SAMPLES = flags.DEFINE_integer("replay_samples", 64, "R arms: replayed rows / step.")
 _REPLAY_STALENESS = flags.DEFINE_integer("replay_staleness", 4, "R arms: max staleness.")
-_PROMPTS = flags.DEFINE_integer("prompts_per_step", 16, "Fresh prompts per step, every arm.")
+_PROMPTS = flags.DEFINE_integer("prompts_per_step", 0, "Fresh prompts per step, every arm "
+                                "(0: arith 16, reasoning the config's 8).")
 _IS_MODE = flags.DEFINE_string("replay_is_mode", "truncate", "R arms: rl.is_mode.")
 _IS_CAP = flags.DEFINE_float("replay_is_cap", 2.0, "R arms: rl.is_cap (C).")
 # Measured on this task (see README): with the proximal anchor (decoupled PPO) stale replayed
@@ -69,6 +78,10 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
               "rl.anchor": _ANCHOR.value})
   if "L" in arm.split("+"):
     o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
+    if _TASK.value == "reasoning":  # DAPO's soft buffer, scaled to 224 new tokens
+      o["length.overlong_buffer"] = 32
+  if "K" in arm.split("+"):
+    o["length.length_reward"] = 0.5
   return o
 
 
@@ -76,11 +89,19 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
                 overrides: dict):
   import rlx  # pylint: disable=g-import-not-at-top
   from rlx import configs  # pylint: disable=g-import-not-at-top
-  base = rlx.load_config(os.path.join(HERE, "arith.py"))
-  return configs.with_overrides(base, {
-      "seed": seed, "total_steps": steps, "eval_every": eval_every, "checkpoint_every": steps,
-      "task.rl_levels": (2, 3, 4, 5), "task.eval_levels": (3, 4), "warm_start.dir": base_dir,
-      "task.data_dir": data_dir, "rl.prompts_per_step": _PROMPTS.value, **overrides})
+  common = {"seed": seed, "total_steps": steps, "eval_every": eval_every,
+            "checkpoint_every": steps, "task.eval_levels": (3, 4), "warm_start.dir": base_dir,
+            "task.data_dir": data_dir}
+  if _PROMPTS.value:
+    common["rl.prompts_per_step"] = _PROMPTS.value
+  if _TASK.value == "reasoning":
+    base = rlx.load_config(os.path.join(HERE, "reasoning.py"))
+    # 400 held-out band problems as on arith; plain GRPO has no length reward.
+    common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
+  else:
+    base = rlx.load_config(os.path.join(HERE, "arith.py"))
+    common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
+  return configs.with_overrides(base, {**common, **overrides})
 
 
 def run_one(config, workdir: str) -> dict:
@@ -154,7 +175,9 @@ def fmt_tokens(t):
 
 def main(_):
   quick = _QUICK.value
-  steps = _STEPS.value or (80 if quick else 200)
+  reasoning = _TASK.value == "reasoning"
+  steps = _STEPS.value or ((60 if quick else 100) if reasoning else (80 if quick else 200))
+  arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L"] + (["K"] if reasoning else []))
   eval_every = _EVAL_EVERY.value or 5
   root = _ROOT.value
   os.makedirs(root, exist_ok=True)
@@ -178,7 +201,7 @@ def main(_):
         f"target fixed at {target:.2f}", flush=True)
 
   results = {}
-  for arm in _ARMS.value:
+  for arm in arms:
     for seed in range(_SEEDS.value):
       wd = os.path.join(root, arm.replace("+", "_"), f"seed{seed}")
       cfg = make_config(steps, eval_every, seed, base_dir, data_dir,
@@ -192,7 +215,7 @@ def main(_):
   budget = min(r["curve"][-1][1] for rs in results.values() for r in rs)
   ttt = {a: [tokens_to_target(r["curve"], target) for r in rs] for a, rs in results.items()}
   lines = [
-      f"Target band accuracy {target:.2f} (base {base_acc:.3f}, pilot B0 final "
+      f"Task {_TASK.value}. Target band accuracy {target:.2f} (base {base_acc:.3f}, pilot B0 final "
       f"{pilot_final:.3f}); {steps} steps per run, {_SEEDS.value} seeds per arm; accuracy at "
       f"a fixed budget of {budget / 1e3:.1f}k generated tokens.",
       "",
