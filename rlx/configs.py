@@ -311,7 +311,9 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
         f"multiple of {num_batch_devices}.")
   _need(config.sampler.impl in SAMPLER_IMPLS,
         f"config.sampler.impl={config.sampler.impl!r}; expected one of {SAMPLER_IMPLS}.")
-  _need(config.sampler.eval_batch_size % num_batch_devices == 0,
+  # (Overlap mode evaluates on the generator's sub-mesh: rlx.pipeline.make_meshes checks it.)
+  overlap = "pipeline" in config and config.pipeline.mode == "overlap"
+  _need(overlap or config.sampler.eval_batch_size % num_batch_devices == 0,
         f"config.sampler.eval_batch_size={config.sampler.eval_batch_size} must be a multiple "
         f"of the {num_batch_devices} data-parallel devices.")
   loss = loss_config(config)

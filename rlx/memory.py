@@ -530,6 +530,63 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
                     mesh_shape=dict(sizes), activation_margin=margin, notes=notes)
 
 
+def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
+                 gen_shape: Mapping[str, int], learn_shape: Mapping[str, int],
+                 **kw) -> tuple[MemoryPlan, MemoryPlan]:
+  """(generator plan, learner plan) of an overlap-mode run (rlx.pipeline), per device of each
+  sub-mesh.
+
+  generator  its copy of the policy (the params, or LoRA's merged weights, split on its
+             sub-mesh by the same rules), the selector snapshot, the prompt pool, the
+             rollout's and evaluation's sampler, and the batch it just generated;
+  learner    the training state (`plan` on the learner's sub-mesh without the sampler
+             phases and the prompt pool) plus the max_staleness batches in flight, which
+             live on the learner from their dispatch until they are trained on.
+  """
+  spec = configs.resolve(config)
+  k = spec.pipeline.max_staleness
+  gen_full = plan(spec, model_cfg, gen_shape, **kw)
+  learn_full = plan(spec, model_cfg, learn_shape, **kw)
+  pw = int(kw.get("prompt_width") or spec.sampler.max_prompt_len)
+  t_new = int(spec.sampler.max_new_tokens)
+  rows = (spec.selection.groups_sampled_factor * spec.rl.prompts_per_step *
+          spec.rl.group_size)
+  # InFlight: prompts, completions, behaviour log-probs and 8 per-row scalars (4B each).
+  per_row = (pw + 2 * t_new + 8) * 4
+  gen_nb = _check_mesh(gen_shape)
+  learn_nb = _check_mesh(learn_shape)
+  gen_rows = _cdiv(rows, gen_nb["data"] * gen_nb["fsdp"])
+  learn_rows = _cdiv(rows, learn_nb["data"] * learn_nb["fsdp"])
+  inflight = lambda r: f"{r} rows x (P={pw} + 2T={2 * t_new} + 8) x 4B"
+
+  sampling = ("rollout", "eval")
+  merged = [it for it in gen_full.items if it.name.startswith("merged adapted weights")]
+  gen_items = []
+  for it in gen_full.items:
+    if it.name in ("params", "selector", "prompt pool") or (
+        it.phase in sampling and it not in merged):
+      gen_items.append(it)
+    elif it.name.startswith("frozen base"):  # LoRA: the generator holds the merged policy
+      extra = merged[0].bytes if merged else 0
+      gen_items.append(dataclasses.replace(
+          it, name="policy copy (LoRA merged)", bytes=it.bytes + extra,
+          formula=f"{it.formula} + merged adapted weights"))
+  gen_items = [dataclasses.replace(it, name="policy copy (params)") if it.name == "params"
+               else it for it in gen_items]
+  gen_items.append(MemoryItem("generated batch (before its transfer)",
+                              gen_rows * per_row, inflight(gen_rows), "rollout"))
+  learn_items = [it for it in learn_full.items
+                 if it.phase not in sampling and it.name != "prompt pool"]
+  learn_items.append(MemoryItem(f"batches in flight (max_staleness={k})",
+                                k * learn_rows * per_row, f"{k} x {inflight(learn_rows)}",
+                                "state", "a smaller config.pipeline.max_staleness"))
+  note = ("Overlap mode (config.pipeline): the generator and learner sub-meshes hold different "
+          "things; each is planned on its own devices.",)
+  return (dataclasses.replace(gen_full, items=tuple(gen_items), notes=note + gen_full.notes),
+          dataclasses.replace(learn_full, items=tuple(learn_items),
+                              notes=note + learn_full.notes))
+
+
 def _paged_sampler(add, cfg: ModelConfig, label: str, rows: int, group: int, pw: int,
                    sp, pc: paged.PagedConfig, phase: str, c: int, hint: str,
                    gathered: tuple[int, str, str] | None) -> None:

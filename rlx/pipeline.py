@@ -283,9 +283,11 @@ class Overlap:
 
   # -------------------------------------------------------------- one step
 
-  def step(self, state: train.TrainState, step: int) -> tuple[train.TrainState, dict]:
+  def step(self, state: train.TrainState, step: int, *,
+           after_rollout: Callable[[], None] | None = None) -> tuple[train.TrainState, dict]:
     """Trains batch `step` while the generator makes batch step + k; returns the learner's
-    new state and the step's metrics (host floats, with the timeline)."""
+    new state and the step's metrics (host floats, with the timeline). after_rollout: called
+    once the batch is scored, before the update (the trainer's fault-injection point)."""
     t0 = self._clock()
     if step + self.k < self.total:  # the generator first: it must not wait for the learner
       self._dispatch(step + self.k)
@@ -296,6 +298,8 @@ class Overlap:
     t_learn = self._clock()
     state, ro = self._score(state, cur.inflight)
     shape = train.update_shape(ro, self.cfg, shd.batch_size_of(self.learn_mesh))  # waits
+    if after_rollout is not None:
+      after_rollout()
     state, m = self.fns.update(state, ro, **shape)
     self._sync_generator(state)  # theta_{t+1} -> generator, queued behind the update
     m = jax.device_get(m)

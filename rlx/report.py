@@ -11,6 +11,10 @@ writes PNGs (matplotlib, Agg; no display needed):
   time.png            seconds per step in generation and update (stacked)
   tokens.png          cumulative tokens: generated, trained, in zero-advantage groups, replayed
   pass_rate.png       pass-rate histogram of the chosen prompts (select/pass_rate_hist_<bin>)
+  timeline.png        overlap mode (config.pipeline) only: when each sub-mesh computed
+                      (generator and learner busy intervals from the pipeline's dispatch and
+                      ready timestamps) over the last steps, each sub-mesh's idle share, and
+                      the staleness of the rows trained on
   summary.txt         steps, band accuracy before/after, tokens, median step time, generation
                       share (also printed)
 
@@ -34,6 +38,7 @@ import numpy as np
 from rlx.metrics import read_metrics, show_warnings_as
 
 PLOTS = ("reward", "accuracy", "response_length", "time", "tokens", "pass_rate")
+OPTIONAL_PLOTS = ("timeline",)  # drawn when the run has what they show (no note otherwise)
 _ACC_KEY = re.compile(r"^eval/accuracy_d(\d+)$")
 _HIST_KEY = re.compile(r"^select/pass_rate_hist_(.+)$")
 
@@ -114,6 +119,12 @@ def band_accuracy_before_after(run: Run) -> tuple[float | None, float | None, in
   return before, float(acc[after_mask][-1]), int(steps[after_mask][-1])
 
 
+def _overlap(run: Run) -> bool:
+  """config.pipeline.mode == 'overlap': the step's wall time is time/step_s (generation and
+  update ran at once)."""
+  return "pipeline/gen_start" in run.keys()
+
+
 def _fused(run: Run) -> bool:
   """config.fused_step: one jitted step, timed whole (logged as generation, update 0)."""
   return bool((run.config or {}).get("fused_step"))
@@ -145,7 +156,19 @@ def summarize(run: Run) -> dict[str, Any]:
     _, v = run.series(key, train_only=True)
     out[name] = float(v.sum()) if len(v) else None
   n = min(len(gen_s), len(upd_s))
-  if n:
+  _, step_s = run.series("time/step_s", train_only=True)
+  if n and _overlap(run) and len(step_s):
+    out["median_step_s"] = float(np.median(step_s[1:] if len(step_s) > 1 else step_s))
+    _, gi = run.series("pipeline/gen_idle_s", train_only=True)
+    _, li = run.series("pipeline/learn_idle_s", train_only=True)
+    _, ov = run.series("pipeline/overlap_frac", train_only=True)
+    k = slice(2, None) if len(gi) > 3 else slice(None)  # two compiling steps left out
+    out["generator_idle_share"] = float(gi[k].sum() / max((gi[k] + gen_s[:len(gi)][k]).sum(),
+                                                          1e-12))
+    out["learner_idle_share"] = float(li[k].sum() / max((li[k] + upd_s[:len(li)][k]).sum(),
+                                                        1e-12))
+    out["overlap_frac"] = float(np.median(ov[k])) if len(ov) else None
+  elif n:
     # The first step of a process includes compilation: leave it out when there are others.
     gen_s, upd_s = gen_s[:n], upd_s[:n]
     if n > 1:
@@ -196,7 +219,12 @@ def summary_text(run: Run, notes: Sequence[str] = ()) -> str:
   if s["tokens_replayed"]:
     tok += f"; replayed: {_tokens(s['tokens_replayed'])}"
   lines.append(tok)
-  if s["median_step_s"] is not None:
+  if s.get("generator_idle_share") is not None:
+    lines.append(f"  median step: {s['median_step_s']:.3f} s wall with generation and update "
+                 f"overlapped (median overlap {_pct(s['overlap_frac'])} of each generation); "
+                 f"idle: generator sub-mesh {_pct(s['generator_idle_share'])}, learner "
+                 f"{_pct(s['learner_idle_share'])} (compiling steps left out)")
+  elif s["median_step_s"] is not None:
     split = (f", of which generation {_pct(s['generation_share'])} of the time"
              if s["generation_share"] is not None else
              " (fused step: generation and update not timed apart)" if _fused(run) else "")
@@ -441,6 +469,48 @@ def plot_pass_rate(run: Run, path: str) -> str | None:
   return _save(fig, path)
 
 
+def plot_timeline(run: Run, path: str, last: int = 10) -> str | None:
+  """Gantt chart of the two sub-meshes over the last `last` steps, staleness below."""
+  keys = ("pipeline/gen_start", "pipeline/gen_ready", "pipeline/learn_start",
+          "pipeline/learn_ready")
+  rows = [l for l in run.lines if l["step"] > 0 and all(_number(l.get(k)) is not None
+                                                        for k in keys)]
+  if not rows:
+    return None
+  # The first two steps include compilation (generator and learner programs); they would
+  # squash the others.
+  shown = (rows[2:] if len(rows) > 4 else rows)[-last:]
+  t0 = min(min(l["pipeline/gen_start"], l["pipeline/learn_start"]) for l in shown)
+  fig, (ax, ax2) = _figure(2, height=3.2, sharex=False)
+  colors = ["tab:orange", "tab:blue"]
+  for i, l in enumerate(shown):
+    c = "0.35" if i % 2 else "0.6"
+    for y, (a, b), role in ((1, ("pipeline/gen_start", "pipeline/gen_ready"), 0),
+                            (0, ("pipeline/learn_start", "pipeline/learn_ready"), 1)):
+      ax.broken_barh([(l[a] - t0, max(l[b] - l[a], 1e-6))], (y - 0.35, 0.7),
+                     facecolors=colors[role], edgecolors=c)
+      ax.text(l[a] - t0, y, str(l["step"]), fontsize=7, va="center")
+  s = summarize(run)
+  ax.set_yticks([0, 1])
+  ax.set_yticklabels([f"learner (idle {_pct(s.get('learner_idle_share'))})",
+                      f"generator (idle {_pct(s.get('generator_idle_share'))})"])
+  ax.set_xlabel("seconds (bars: the batch each program generated / trained, by step)")
+  ax.set_title(f"Sub-meshes over steps {shown[0]['step']}-{shown[-1]['step']} (median "
+               f"overlap {_pct(s.get('overlap_frac'))} of a generation)", fontsize=10)
+  steps, stale = run.series("ledger/staleness_mean", train_only=True)
+  _, stale_max = run.series("ledger/staleness_max", train_only=True)
+  if len(steps):
+    ax2.step(steps, stale, where="mid", label="mean", color="tab:green")
+    if len(stale_max) == len(steps):
+      ax2.step(steps, stale_max, where="mid", label="max", color="tab:red", ls="--")
+    ax2.set_xlabel("RL step")
+    ax2.set_ylabel("staleness (updates)")
+    ax2.set_title("Policy updates between generating a row and training on it")
+    ax2.legend(fontsize=8)
+    _integer_steps(ax2)
+  return _save(fig, path)
+
+
 _PLOTTERS = {
     "reward": (plot_reward, "no reward/mean in metrics.jsonl"),
     "accuracy": (plot_accuracy, "no eval/accuracy_d* in metrics.jsonl"),
@@ -450,6 +520,7 @@ _PLOTTERS = {
     "tokens": (plot_tokens, "no ledger/tokens_* in metrics.jsonl"),
     "pass_rate": (plot_pass_rate, "no select/pass_rate_hist_* in metrics.jsonl (prompt "
                                   "selection by pass rate was off)"),
+    "timeline": (plot_timeline, "no pipeline/* timestamps (sync mode)"),
 }
 
 
@@ -469,12 +540,12 @@ def make_report(workdir: str, out_dir: str | None = None) -> Report:
   plots, notes = {}, []
   if not run.lines:
     notes.append("metrics.jsonl has no complete line yet")
-  for name in PLOTS:
+  for name in PLOTS + OPTIONAL_PLOTS:
     fn, why = _PLOTTERS[name]
     got = fn(run, os.path.join(out_dir, f"{name}.png")) if run.lines else None
     if got:
       plots[name] = got
-    elif run.lines:
+    elif run.lines and name not in OPTIONAL_PLOTS:
       notes.append(f"{name}.png skipped: {why}")
   text = summary_text(run, notes)
   with open(os.path.join(out_dir, "summary.txt"), "w", encoding="utf-8") as f:

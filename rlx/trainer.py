@@ -150,12 +150,14 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
       f"{exp.base_source}")
   log(f"[rlx] mesh {dict(mesh.shape)}; RL pool {exp.train_pool.size} prompts (levels "
       f"{spec.task.rl_levels or spec.task.levels}), eval {exp.eval_pool.size} prompts")
-  mem = memory.plan(spec, exp.model_cfg, dict(mesh.shape), num_prompts=exp.train_pool.size,
-                    prompt_width=exp.train_pool.max_prompt_len)
-  log(f"[rlx] memory plan: peak {memory.human(mem.total_bytes)} per device of "
-      f"{memory.human(mem.capacity_bytes)} ({mem.peak_phase}); --dry_run prints the whole plan")
-  if spec.memory.check:
-    memory.check_fits(mem)
+  gen_mesh = pipeline.make_meshes(spec, devices)[0] if spec.pipeline.mode == "overlap" else None
+  for role, mem in _plans(spec, exp.model_cfg, mesh, gen_mesh, num_prompts=exp.train_pool.size,
+                          prompt_width=exp.train_pool.max_prompt_len):
+    log(f"[rlx] memory plan{role}: peak {memory.human(mem.total_bytes)} per device of "
+        f"{memory.human(mem.capacity_bytes)} ({mem.peak_phase}); --dry_run prints the whole "
+        f"plan")
+    if spec.memory.check:
+      memory.check_fits(mem)
   cfg = step_config(spec, exp.tokenizer)
   o = spec.optim
   tx = train.make_optimizer(o.lr, spec.total_steps, warmup_steps=o.warmup_steps,
@@ -175,14 +177,21 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
         f"params ({100 * n / exp.model_cfg.num_params():.2f}% of the model), base frozen in "
         f"{jax.tree.leaves(state.base)[0].dtype}")
   fns = train.make_step_fns(exp.graphdef, cfg, tx, mesh, jax.eval_shape(lambda: state))
-  gen_mesh = None
-  if spec.pipeline.mode == "overlap":
-    gen_mesh = pipeline.make_meshes(spec, devices)[0]
+  if gen_mesh is not None:
     log(f"[rlx] pipeline overlap: generator sub-mesh {dict(gen_mesh.shape)}, learner "
         f"sub-mesh {dict(mesh.shape)}, generator up to {spec.pipeline.max_staleness} "
         f"step(s) ahead")
   return Setup(spec=spec, exp=exp, mesh=mesh, step_cfg=cfg, tx=tx, state=state, fns=fns,
                gen_mesh=gen_mesh)
+
+
+def _plans(spec: configs.RunSpec, model_cfg, mesh, gen_mesh, **kw):
+  """[(label, MemoryPlan)]: the run's mesh, or (overlap) each sub-mesh."""
+  if gen_mesh is None:
+    return [("", memory.plan(spec, model_cfg, dict(mesh.shape), **kw))]
+  gen, learn = memory.plan_overlap(spec, model_cfg, dict(gen_mesh.shape), dict(mesh.shape), **kw)
+  return [(f" (generator sub-mesh {dict(gen_mesh.shape)})", gen),
+          (f" (learner sub-mesh {dict(mesh.shape)})", learn)]
 
 
 def dry_run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
@@ -204,10 +213,14 @@ def dry_run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
     vocab = (Tokenizer.load(tok_path).vocab_size if os.path.exists(tok_path)
              else spec.tokenizer.vocab_size)
     model_cfg = spec.model.tiny(vocab)
-  plan = memory.plan(spec, model_cfg, dict(mesh.shape))
+  gen_mesh = pipeline.make_meshes(spec, devices)[0] if spec.pipeline.mode == "overlap" else None
+  plans = _plans(spec, model_cfg, mesh, gen_mesh)
   text = (f"model: {model_cfg.num_params() / 1e6:.1f}M params, {model_cfg.num_layers} layers, "
-          f"d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}\n" +
-          memory.format_plan(plan))
+          f"d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}\n" + "\n".join(
+              (f"== {label.strip(' ()')}\n" if label else "") + memory.format_plan(p)
+              for label, p in plans))
+  # The plan that decides: the one closest to its capacity (overlap: either sub-mesh).
+  plan = min((p for _, p in plans), key=lambda p: p.headroom_bytes)
   return plan, text
 
 
@@ -546,7 +559,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     if main_process:
       ckpt_lib.save_json(os.path.join(workdir, "config.json"), spec.record)
 
-    pool = shd.put(exp.train_pool, fns.pool_sharding)
+    # Overlap: the generator holds the pool on its own sub-mesh (pipeline.Overlap).
+    pool = shd.put(exp.train_pool, fns.pool_sharding) if overlap is None else None
     max_skips = spec.guard.max_consecutive_skips
     updates_per_step = setup.step_cfg.num_updates * setup.step_cfg.num_minibatches
     bar = metrics_lib.progress(spec.total_steps, initial=start, disable=not show_progress)
@@ -575,7 +589,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
         m = jax.device_get(m)
         t_gen, t_upd = t1 - t0, time.perf_counter() - t1
       elif overlap is not None:
-        state, m = overlap.step(state, step)
+        state, m = overlap.step(
+            state, step, after_rollout=lambda: _fault("kill_after_rollout", step + 1))
         t_gen, t_upd = m["time/generate_s"], m["time/update_s"]
       elif spec.fused_step:
         state, m = fns.train_step(state, pool)

@@ -222,3 +222,82 @@ def test_resume_from_a_checkpoint_with_batches_in_flight_is_bitwise_exact(tmp_pa
     for key in r:
       if not key.startswith(("pipeline/", "time/")):
         assert h[key] == r[key], key
+
+
+class _Crash(Exception):
+  pass
+
+
+def test_trainer_overlap_crash_then_resume_equals_uninterrupted(tmp_path, monkeypatch):
+  """The trainer's overlap loop: a run that dies between a batch's rollout and its update
+  (step 3, two batches in flight) resumes from the step-2 checkpoint to the uninterrupted
+  run's final parameters and metrics, bitwise."""
+  from rlx import report, trainer  # pylint: disable=g-import-not-at-top
+  from rlx.checkpoint import read_arrays  # pylint: disable=g-import-not-at-top
+  from rlx.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
+  from test_main import runlocal_config  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()[:2]  # generator 1 device, learner 1 device
+  over = {"total_steps": 4, "checkpoint_every": 1, "eval_every": 4, "sft.steps": 300,
+          "pipeline.mode": "overlap", "pipeline.max_staleness": 2, "selection.mode": "band"}
+  ref, run = tmp_path / "ref", tmp_path / "crashed"
+  trainer.run(runlocal_config(**over), str(ref), log=lambda s: None, show_progress=False,
+              devices=devices)
+  over["warm_start.dir"] = str(ref / "base")
+
+  def fault(point, step):
+    if point == "kill_after_rollout" and step == 3:
+      raise _Crash()
+  monkeypatch.setattr(trainer, "_fault", fault)
+  with pytest.raises(_Crash):
+    trainer.run(runlocal_config(**over), str(run), log=lambda s: None, show_progress=False,
+                devices=devices)
+  monkeypatch.undo()
+  logs = []
+  trainer.run(runlocal_config(**over), str(run), log=logs.append, show_progress=False,
+              devices=devices)
+  assert any("resumed from" in l and l.endswith("/2") for l in logs), logs
+  ref_lines = read_jsonl(ref / "metrics.jsonl")
+  assert [l.get("ledger/staleness_max") for l in ref_lines[1:]] == [0, 1, 2, 2]
+  assert sum(l.get("grad_norm", 0.0) > 0 for l in ref_lines[3:]) >= 1  # after the resume too
+  a, b = read_arrays(str(ref), 4), read_arrays(str(run), 4)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  rep = report.make_report(str(ref))  # the timeline of the two sub-meshes
+  assert "timeline" in rep.plots and "overlapped" in rep.summary, rep.summary
+  drop = ("time/", "pipeline/", "ledger/generated_tokens_per_s")
+  strip = lambda ls: [{k: v for k, v in l.items() if not k.startswith(drop)} for l in ls]
+  assert strip(read_jsonl(run / "metrics.jsonl")) == strip(ref_lines)
+
+
+def test_dry_run_plans_each_sub_mesh():
+  from rlx import memory, trainer  # pylint: disable=g-import-not-at-top
+  from test_main import runlocal_config  # pylint: disable=g-import-not-at-top
+  cfg = runlocal_config(**{"pipeline.mode": "overlap", "pipeline.generator_devices": 2,
+                           "pipeline.max_staleness": 2, "mesh.data": 3, "mesh.fsdp": 2,
+                           "rl.prompts_per_step": 3})
+  _, text = trainer.dry_run(cfg, "/nonexistent-rlx-workdir")
+  assert "== generator sub-mesh {'data': 2" in text, text
+  assert "== learner sub-mesh {'data': 3, 'fsdp': 2" in text, text
+  spec, learn_mesh = trainer.resolve(cfg)
+  gen_mesh = pipeline.make_meshes(spec)[0]
+  model_cfg = spec.model.tiny(spec.tokenizer.vocab_size)
+  gen, learn = memory.plan_overlap(spec, model_cfg, dict(gen_mesh.shape),
+                                   dict(learn_mesh.shape))
+  whole = memory.plan(spec, model_cfg, dict(learn_mesh.shape))
+  gen_names, learn_names = {it.name for it in gen.items}, {it.name for it in learn.items}
+  # The generator: a policy copy and the samplers, no optimizer or update; the learner: the
+  # whole training state and the batches in flight, no sampler and no prompt pool.
+  assert "policy copy (params)" in gen_names and "optimizer (adamw mu, nu)" not in gen_names
+  assert not any(it.phase in ("update", "grad", "logp") for it in gen.items)
+  # The generator's copy is split by its own sub-mesh (replicated here), the learner's by
+  # FSDP over 2.
+  assert gen.item("policy copy (params)").bytes == memory.plan(
+      spec, model_cfg, dict(gen_mesh.shape)).item("params").bytes
+  assert gen.item("policy copy (params)").bytes > learn.item("params").bytes == whole.item(
+      "params").bytes
+  assert "optimizer (adamw mu, nu)" in learn_names and "prompt pool" not in learn_names
+  assert not any(it.phase in ("rollout", "eval") for it in learn.items)
+  rows = spec.rl.prompts_per_step * spec.rl.group_size
+  per_row = (spec.sampler.max_prompt_len + 2 * spec.sampler.max_new_tokens + 8) * 4
+  assert learn.item("batches in flight (max_staleness=2)").bytes == 2 * (-(-rows // 6)) * per_row
+  assert gen.phase_bytes()["rollout"] > gen.item("policy copy (params)").bytes
