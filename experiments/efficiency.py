@@ -14,6 +14,8 @@ digits). Accuracy is greedy, held-out, on the band.
   S+R    both
   S+R+L  both + DAPO overlong shaping and filtering
   K      B0 + Kimi k1.5's group length reward (length.length_reward; the reasoning default)
+  O      B0 with generation and training overlapped on two sub-meshes, one step off-policy
+         (pipeline.mode=overlap; needs --cpu_devices >= 2): what the staleness costs
 
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
@@ -60,6 +62,7 @@ _IS_CAP = flags.DEFINE_float("replay_is_cap", 2.0, "R arms: rl.is_cap (C).")
 # advantages kept pushing and hurt (and collapsed runs with 4 prompts per step); the
 # behaviour anchor bounds each sample's push and made replay harmless.
 _ANCHOR = flags.DEFINE_string("replay_anchor", "behaviour", "R arms: rl.anchor.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -82,6 +85,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
       o["length.overlong_buffer"] = 32
   if "K" in arm.split("+"):
     o["length.length_reward"] = 0.5
+  if "O" in arm.split("+"):
+    o["pipeline.mode"] = "overlap"
   return o
 
 
@@ -174,6 +179,9 @@ def fmt_tokens(t):
 
 
 def main(_):
+  if _CPU_DEVICES.value:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   quick = _QUICK.value
   reasoning = _TASK.value == "reasoning"
   steps = _STEPS.value or ((60 if quick else 100) if reasoning else (80 if quick else 200))
