@@ -50,6 +50,8 @@ projection), and the merge alone; medians and ratios.
       --steps=5 --profile_dir=/tmp/b/trace
   python experiments/bench_step.py --config=experiments/arith.py:runlocal --workdir=/tmp/b \
       --config.sampler.eval_batch_size=40      # evaluation in batches that pad the pool
+  python experiments/bench_step.py --config=experiments/reasoning.py \
+      --workdir=/tmp/rlx_reasoning --sampler_compare   # paged vs dense in the loop, slots, KV
   python experiments/bench_step.py --config=experiments/arith.py --workdir=/tmp/b_lora \
       --config.warm_start.dir=/tmp/rlx_arith/base --config.lora.rank=8 \
       --lora_sampling_compare                  # LoRA: merged vs unmerged vs full sampling
@@ -85,6 +87,9 @@ _PHASES = flags.DEFINE_boolean(
     "phases", True, "Time the phases and the evaluation after the steps (false: only the "
     "steps' medians and --lora_sampling_compare).")
 _COMPARE_REPS = flags.DEFINE_integer("compare_reps", 9, "Interleaved rounds of the comparison.")
+_SAMPLER_COMPARE = flags.DEFINE_boolean(
+    "sampler_compare", False, "Also run the step with the dense sampler, interleaved with the "
+    "paged one, and print the paged sampler's own statistics (slots, KV held vs stored).")
 
 
 def _median_time(fn, *args, reps: int) -> float:
@@ -220,6 +225,64 @@ def lora_sampling_compare(setup, state, prompts, prompt_lens, keys, reps: int) -
   print(f"merged - full = {med['LoRA merged'] - med['full-parameter']:+.4f} s (merge alone "
         f"{med['merge alone']:.4f} s); unmerged / merged = "
         f"{med['LoRA unmerged'] / med['LoRA merged']:.3f}x")
+
+
+def sampler_compare(setup, state, pool, steps: int):
+  """Steps with the paged and the dense sampler in the loop, interleaved (same state chain,
+  same update), then the paged sampler's statistics on the last batch's prompts and keys."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from rlx.sampler import paged  # pylint: disable=g-import-not-at-top
+  cfg = setup.step_cfg
+  if cfg.sampler_impl != "paged":
+    raise app.UsageError("--sampler_compare compares the paged sampler (sampler.impl=paged, "
+                         "the default) with the dense one.")
+  dense_cfg = dataclasses.replace(cfg, sampler_impl="dense")
+  runs = {"paged": (setup.fns, cfg),
+          "dense": (train.make_step_fns(setup.exp.graphdef, dense_cfg, setup.tx, setup.mesh,
+                                        jax.eval_shape(lambda: state)), dense_cfg)}
+  rows = {name: [] for name in runs}
+  ro = None
+  for i in range(steps + 1):
+    for name, (fns, c) in runs.items():  # interleaved: shared-machine noise hits both alike
+      t0 = time.perf_counter()
+      state, ro_i = fns.rollout(state, pool)
+      shape = train.update_shape(ro_i, c, jax.device_count())  # waits for the rollout
+      t1 = time.perf_counter()
+      state, m = fns.update(state, ro_i, **shape)
+      m = jax.device_get(m)
+      t2 = time.perf_counter()
+      if name == "paged":
+        ro = ro_i
+      if i:  # the first round compiles
+        rows[name].append((t1 - t0, t2 - t1, float(m["ledger/tokens_generated"])))
+  print(f"\nsampler in the loop (medians of {steps} interleaved steps each, same state chain):")
+  print(f"{'sampler':10s}{'generation s':>14s}{'update s':>10s}{'step s':>9s}{'tokens/s':>10s}"
+        f"{'generation share':>18s}")
+  med = {}
+  for name, r in rows.items():
+    gen, upd, tok = map(np.asarray, zip(*r))
+    med[name] = (np.median(gen), np.median(gen + upd), np.median(tok / gen))
+    print(f"{name:10s}{np.median(gen):14.3f}{np.median(upd):10.3f}{np.median(gen + upd):9.3f}"
+          f"{np.median(tok / gen):10.0f}{np.median(gen / (gen + upd)):18.0%}")
+  print(f"dense / paged: generation {med['dense'][0] / med['paged'][0]:.2f}x, step "
+        f"{med['dense'][1] / med['paged'][1]:.2f}x; paged tokens/s {med['paged'][2] / med['dense'][2]:.2f}x "
+        f"dense's")
+  b = ro.batch
+  keys = jax.random.split(jax.random.key(2), b.prompts.shape[0])
+  gen_stats = jax.jit(lambda p, pr, pl, k: paged.generate_unjitted(
+      setup.exp.graphdef, p, pr, pl, k, cfg.sampling, cfg.paged or paged.PagedConfig(),
+      group_size=cfg.group_size, mesh=setup.mesh, return_stats=True))
+  out, st = gen_stats(train.policy_params(state, cfg), b.prompts, b.prompt_lens, keys)
+  summ = st.summary()
+  lengths = np.asarray(out.lengths)
+  print(f"paged sampler statistics on one step's {lengths.size} rollouts (lengths median "
+        f"{np.median(lengths):.0f}, max {lengths.max()}): slot utilisation "
+        f"{summ['slot_utilisation']:.0%} (of a fixed-width loop: "
+        f"{summ['fixed_slot_utilisation']:.0%}), KV held / KV stored "
+        f"{summ['kv_held_over_stored']:.2f}x (the group's shared prompt pages stored once), "
+        f"peak {summ['peak_kv_tokens']:.0f} KV token slots, {summ['iterations']:.0f} decode "
+        f"iterations, {summ['prefill_chunks']:.0f} prefill chunks")
+  return state
 
 
 def _phases(setup, state, ro, rows, keys) -> None:
@@ -374,6 +437,8 @@ def main(_):
     print(f"\nsteps (medians of {len(rows)}): generation {np.median(gen):.3f} s, update "
           f"{np.median(upd):.3f} s, step {np.median(gen + upd):.3f} s, generated tokens/step "
           f"{np.median(toks):.0f}")
+  if _SAMPLER_COMPARE.value:
+    state = sampler_compare(setup, state, pool, max(_STEPS.value, 3))
   if _LORA_COMPARE.value:
     lora_sampling_compare(setup, state, ro.batch.prompts, ro.batch.prompt_lens, keys,
                           _COMPARE_REPS.value)
