@@ -84,6 +84,11 @@ def make_meshes(spec: configs.RunSpec, devices=None) -> tuple[Mesh, Mesh]:
   with `generator_tensor`-way tensor parallelism; the learner the rest, shaped by
   config.mesh (data -1: what is left).
   """
+  if jax.process_count() > 1:
+    raise configs.ConfigError(
+        f"config.pipeline.mode='overlap' with {jax.process_count()} processes: overlap mode "
+        f"runs in one process for now (each sub-mesh's program would have to be dispatched "
+        f"by every process that owns one of its devices); use pipeline.mode='sync'.")
   devices = list(devices if devices is not None else jax.devices())
   n, p = len(devices), spec.pipeline
   g = p.generator_devices or n // 2
@@ -267,7 +272,11 @@ class Overlap:
   def start(self, state: train.TrainState, start: int,
             restored: OverlapState | None = None) -> train.TrainState:
     """Fills the pipeline: the first k batches generated with the start's policy, or (resume)
-    the batches in flight from the checkpoint."""
+    the batches in flight from the checkpoint. Starting again (another run with the same
+    compiled programs) drops whatever was in flight."""
+    self._queue.clear()
+    self._learn_intervals.clear()
+    self._last_gen_ready = self._last_learn_ready = None
     if restored is not None:
       state = restored.learner
       self._sync_generator(state)

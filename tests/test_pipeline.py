@@ -58,21 +58,27 @@ def fresh_state(mesh, cfg, tx):
                           prompt_width=8, max_new_tokens=cfg.sampling.max_new_tokens)
 
 
-def overlap_run(n_gen, steps, k, cfg=None, *, upto=None, restored=None, start=0):
-  """Runs the pipeline on generator devices [:n_gen] and learner devices [n_gen:]."""
-  cfg = cfg or step_config()
+@functools.lru_cache(maxsize=None)
+def _pipeline(n_gen, steps, k, cfg):
+  """One compiled pipeline per setting, reused by every run of it (Overlap.start resets)."""
   g, _ = init_params(CFG, 0)
   devices = jax.devices()
   gen_mesh = shd.make_mesh(-1, devices=devices[:n_gen])
   learn_mesh = shd.make_mesh(-1, devices=devices[n_gen:])
   tx = train.make_optimizer(1e-2, steps)
-  state = fresh_state(learn_mesh, cfg, tx)
-  abstract = jax.eval_shape(lambda: state)
+  abstract = jax.eval_shape(lambda: fresh_state(learn_mesh, cfg, tx))
   fns = train.make_step_fns(g, cfg, tx, learn_mesh, abstract)
   ov = pipeline.Overlap(g, cfg, fns, gen_mesh=gen_mesh, learn_mesh=learn_mesh,
                         pool=make_pool(), abstract_state=abstract, max_staleness=k,
                         total_steps=steps)
-  state = ov.start(state, start, restored)
+  return ov, abstract, learn_mesh, tx
+
+
+def overlap_run(n_gen, steps, k, cfg=None, *, upto=None, restored=None, start=0):
+  """Runs the pipeline on generator devices [:n_gen] and learner devices [n_gen:]."""
+  cfg = cfg or step_config()
+  ov, abstract, learn_mesh, tx = _pipeline(n_gen, steps, k, cfg)
+  state = ov.start(fresh_state(learn_mesh, cfg, tx), start, restored)
   hist = []
   for step in range(start, upto if upto is not None else steps):
     state, m = ov.step(state, step)
