@@ -115,6 +115,7 @@ class StepConfig:
   drop_zero_adv_rows: bool = True  # see `update_shape`
   verifier: Verifier = Verifier()  # the task's jnp reward (exact match, final answer, ...)
   lora: lora_lib.LoRAConfig | None = None  # None: full-parameter training
+  staleness_hist: bool = False  # log the fresh rows' staleness histogram (overlap mode)
 
   @property
   def batch_size(self) -> int:
@@ -517,6 +518,11 @@ def ledger(fresh: Batch, stats: dict, batch: Batch, mask, old_logp, replayed, po
       **stats,
   }
   out["ledger/tokens_wasted"] = out["ledger/tokens_zero_adv"] + out["ledger/tokens_discarded"]
+  if cfg.staleness_hist:  # fresh rows per staleness bin (rlx.pipeline: up to max_staleness)
+    hist = replay_lib.staleness_histogram(policy_version - fresh.policy_version,
+                                          jnp.ones(fresh.lengths.shape, bool))
+    for i, lo in enumerate(replay_lib.STALENESS_BINS):
+      out[f"ledger/staleness_hist_{lo}"] = hist[i].astype(jnp.float32)
   if replayed is not None:
     rep_len = jnp.where(replayed, batch.lengths, 0).astype(jnp.float32)
     rep_tokens = rep_len.sum()

@@ -264,6 +264,10 @@ def test_trainer_overlap_crash_then_resume_equals_uninterrupted(tmp_path, monkey
   assert any("resumed from" in l and l.endswith("/2") for l in logs), logs
   ref_lines = read_jsonl(ref / "metrics.jsonl")
   assert [l.get("ledger/staleness_max") for l in ref_lines[1:]] == [0, 1, 2, 2]
+  rows = 4 * 4  # runlocal: 4 prompts x 4 samples per step
+  # Fresh rows by staleness: the first batch on-policy, the second 1 behind, then 2.
+  assert [[l[f"ledger/staleness_hist_{b}"] for b in (0, 1, 2)] for l in ref_lines[1:]] == [
+      [rows, 0, 0], [0, rows, 0], [0, 0, rows], [0, 0, rows]]
   assert sum(l.get("grad_norm", 0.0) > 0 for l in ref_lines[3:]) >= 1  # after the resume too
   a, b = read_arrays(str(ref), 4), read_arrays(str(run), 4)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
