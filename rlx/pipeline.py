@@ -230,6 +230,7 @@ class Overlap:
     self._learn_intervals: collections.deque = collections.deque(maxlen=max_staleness + 2)
     self._last_gen_ready = None
     self._last_learn_ready = None
+    self._run = 0
     self.gen_params = self.gen_selector = self.gen_version = self.gen_rng = None
 
   def _inflight_sharding(self, abstract: InFlight) -> InFlight:
@@ -266,7 +267,7 @@ class Overlap:
     inf = self._generate(self.gen_params, self.gen_selector, self.gen_rng,
                          np.int32(step), self.gen_version, self.pool)
     self.gen_rng = inf.rng
-    self._watcher.watch(step, inf.rewards)
+    self._watcher.watch((self._run, step), inf.rewards)
     self._queue.append(_Pending(step, jax.device_put(inf, self.inflight_sharding), t))
 
   def start(self, state: train.TrainState, start: int,
@@ -274,6 +275,7 @@ class Overlap:
     """Fills the pipeline: the first k batches generated with the start's policy, or (resume)
     the batches in flight from the checkpoint. Starting again (another run with the same
     compiled programs) drops whatever was in flight."""
+    self._run += 1  # ready times of an earlier run's batches never match this run's
     self._queue.clear()
     self._learn_intervals.clear()
     self._last_gen_ready = self._last_learn_ready = None
@@ -314,7 +316,7 @@ class Overlap:
     m = jax.device_get(m)
     learn_ready = self._clock()
     restored = math.isnan(cur.dispatch)  # generated before this process started
-    gen_ready = t_learn if restored else self._watcher.ready_time(step)
+    gen_ready = t_learn if restored else self._watcher.ready_time((self._run, step))
     m = {k: float(v) for k, v in m.items()}
     m.update(self._timeline(cur, gen_ready, t0, t_learn, learn_ready))
     return state, m
