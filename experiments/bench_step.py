@@ -227,6 +227,17 @@ def lora_sampling_compare(setup, state, prompts, prompt_lens, keys, reps: int) -
         f"{med['LoRA unmerged'] / med['LoRA merged']:.3f}x")
 
 
+def timed_step(fns, cfg, state, pool):
+  """One step as the trainer runs it: (state, rollouts, metrics, generation s, update s)."""
+  t0 = time.perf_counter()
+  state, ro = fns.rollout(state, pool)
+  shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
+  t1 = time.perf_counter()
+  state, m = fns.update(state, ro, **shape)
+  m = jax.device_get(m)
+  return state, ro, m, t1 - t0, time.perf_counter() - t1
+
+
 def sampler_compare(setup, state, pool, steps: int):
   """Steps with the paged and the dense sampler in the loop, interleaved (same state chain,
   same update), then the paged sampler's statistics on the last batch's prompts and keys."""
@@ -244,17 +255,11 @@ def sampler_compare(setup, state, pool, steps: int):
   ro = None
   for i in range(steps + 1):
     for name, (fns, c) in runs.items():  # interleaved: shared-machine noise hits both alike
-      t0 = time.perf_counter()
-      state, ro_i = fns.rollout(state, pool)
-      shape = train.update_shape(ro_i, c, jax.device_count())  # waits for the rollout
-      t1 = time.perf_counter()
-      state, m = fns.update(state, ro_i, **shape)
-      m = jax.device_get(m)
-      t2 = time.perf_counter()
+      state, ro_i, m, t_gen, t_upd = timed_step(fns, c, state, pool)
       if name == "paged":
         ro = ro_i
       if i:  # the first round compiles
-        rows[name].append((t1 - t0, t2 - t1, float(m["ledger/tokens_generated"])))
+        rows[name].append((t_gen, t_upd, float(m["ledger/tokens_generated"])))
   print(f"\nsampler in the loop (medians of {steps} interleaved steps each, same state chain):")
   print(f"{'sampler':10s}{'generation s':>14s}{'update s':>10s}{'step s':>9s}{'tokens/s':>10s}"
         f"{'generation share':>18s}")
@@ -416,19 +421,13 @@ def main(_):
   for i in range(max(_STEPS.value, 1) + 1):
     if i == 1 and _PROFILE.value:
       jax.profiler.start_trace(_PROFILE.value)
-    t0 = time.perf_counter()
-    state, ro = fns.rollout(state, pool)
-    shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
-    t1 = time.perf_counter()
-    state, m = fns.update(state, ro, **shape)
-    m = jax.device_get(m)
-    t2 = time.perf_counter()
+    state, ro, m, t_gen, t_upd = timed_step(fns, cfg, state, pool)
     if i == 1 and _PROFILE.value:
       jax.profiler.stop_trace()
       print(f"[bench_step] profile of step 1 written to {_PROFILE.value}")
     if i:  # step 0 compiles
-      rows.append((t1 - t0, t2 - t1, float(m["ledger/tokens_generated"]),
-                   float(m["ledger/update_pad_frac"]), shape["width"]))
+      rows.append((t_gen, t_upd, float(m["ledger/tokens_generated"]),
+                   float(m["ledger/update_pad_frac"]), int(m["ledger/update_width"])))
   keys = jax.random.split(jax.random.key(1), ro.batch.prompts.shape[0])
   if _PHASES.value:
     _phases(setup, state, ro, rows, keys)

@@ -10,35 +10,27 @@ import functools
 import jax
 import numpy as np
 import pytest
+import test_train
 
 from rlx import pipeline
 from rlx import sharding as shd
 from rlx import train
 from rlx.checkpoint import Checkpointer
-from rlx.data.tasks import PromptPool
-from rlx.model import ModelConfig, init_params
+from rlx.model import init_params
 from rlx.rl.loss import LossConfig
 from rlx.rl.replay import ReplayConfig
 from rlx.rl.selection import SelectionConfig
 from rlx.sampler.sampling import SamplingParams
 
-CFG = ModelConfig(vocab_size=19, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, mlp_dim=64)
+CFG = test_train.CFG
 N_PROMPTS = 40
 
 
-def make_pool(n=N_PROMPTS, p=8, a=4, seed=0):
-  rng = np.random.default_rng(seed)
-  lens = rng.integers(3, p + 1, n).astype(np.int32)
-  prompts = np.zeros((n, p), np.int32)
-  for i, l in enumerate(lens):
-    prompts[i, p - l:] = rng.integers(4, CFG.vocab_size, l)
-    prompts[i, p - l] = 2
-  answers = np.zeros((n, a), np.int32)
-  answers[:, 0] = 3  # "stop at once": a random policy is sometimes right (a learning signal)
-  return PromptPool(prompts=prompts, prompt_lens=lens, answers=answers,
-                    answer_lens=np.ones(n, np.int32), difficulty=(np.arange(n) % 2 + 1).astype(
-                        np.int32))
+def make_pool(n=N_PROMPTS):
+  """test_train's pool (answer "stop at once": a random policy is sometimes right) with two
+  difficulty buckets, so the band selector has groups to track."""
+  pool = test_train.make_pool(n)
+  return pool.replace(difficulty=(np.arange(n) % 2 + 1).astype(np.int32))
 
 
 def step_config(**kw):
