@@ -173,7 +173,7 @@ class Overlap:
 
     ov = Overlap(...); state = ov.start(state, start_step)           # or start(..., restored)
     for step in ...: state, metrics = ov.step(state, step)
-    ov.checkpoint(state, done)  -> OverlapState to save
+    ov.checkpoint(state)  -> the OverlapState to save after a step
 
   `fns` are the learner's StepFns (rlx.train.make_step_fns on the learner sub-mesh).
   """
