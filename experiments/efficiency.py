@@ -16,6 +16,7 @@ digits). Accuracy is greedy, held-out, on the band.
   K      B0 + Kimi k1.5's group length reward (length.length_reward; the reasoning default)
   O      B0 with generation and training overlapped on two sub-meshes, one step off-policy
          (pipeline.mode=overlap; needs --cpu_devices >= 2): what the staleness costs
+  +A     with rl.anchor=behaviour (e.g. O+A): the clip around the behaviour policy
 
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
@@ -87,6 +88,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o["length.length_reward"] = 0.5
   if "O" in arm.split("+"):
     o["pipeline.mode"] = "overlap"
+  if "A" in arm.split("+"):  # the clip around the behaviour policy (as the R arms use)
+    o["rl.anchor"] = "behaviour"
   return o
 
 
