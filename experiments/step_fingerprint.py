@@ -56,7 +56,7 @@ def main(_):
   for name, fn, args, kw in (("rollout", fns.rollout, (state, pool), {}),
                              ("update", fns.update, (state, ro), shape)):
     if kw:  # update: one jitted function per static shape (train._ByShape)
-      fn = fn._fns[(kw["width"], kw["rows"])]  # pylint: disable=protected-access
+      fn = fn._fns[(kw["width"], kw.get("rows"), kw.get("parts"))]  # pylint: disable=protected-access
     text = fn.lower(*args).compile().as_text()
     # Source locations (file / function / frame tables) name the checkout; drop them.
     text = re.sub(r"\nFileNames\n.*?\n(?=%)", "\n", text, flags=re.S)

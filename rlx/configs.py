@@ -183,6 +183,7 @@ class RLSpec:
   fuse_pi_old: bool
   update_buckets: int
   drop_zero_adv_rows: bool
+  update_parts: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +394,8 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
                 logprob_chunk=_int(config, "rl.logprob_chunk", 0, MAX_TOKENS),
                 remat=bool(rl.remat), fuse_pi_old=bool(rl.fuse_pi_old),
                 update_buckets=_int(config, "rl.update_buckets", 1, 64),
-                drop_zero_adv_rows=bool(rl.drop_zero_adv_rows)),
+                drop_zero_adv_rows=bool(rl.drop_zero_adv_rows),
+                update_parts=_int(config, "rl.update_parts", 1, 64)),
       selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
       guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config), lora=lora,
       pipeline=pipeline)
@@ -680,6 +682,10 @@ def defaults() -> mlc.ConfigDict:
   # With one minibatch and no KL term, zero-advantage rows add nothing to the gradient: the
   # update then computes on half the rows when at most half carry signal (same result).
   c.rl.drop_zero_adv_rows = True
+  # With one minibatch, the rows are sorted by length and split into `update_parts` equal
+  # micro-batches, each cut to its own width (gradients summed: one optimizer step, same
+  # result); short rows stop paying for the longest row's width. 1 = off.
+  c.rl.update_parts = 2
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()

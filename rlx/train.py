@@ -113,6 +113,7 @@ class StepConfig:
   fuse_pi_old: bool = True
   update_buckets: int = 4
   drop_zero_adv_rows: bool = True  # see `update_shape`
+  update_parts: int = 2  # length-sorted micro-batches, each at its own width (`update`)
   verifier: Verifier = Verifier()  # the task's jnp reward (exact match, final answer, ...)
   lora: lora_lib.LoRAConfig | None = None  # None: full-parameter training
   staleness_hist: bool = False  # log the fresh rows' staleness histogram (overlap mode)
@@ -350,7 +351,8 @@ def _trim(batch: Batch, width: int) -> Batch:
 
 def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
            mesh: Mesh | None = None, width: int | None = None,
-           rows: int | None = None) -> tuple[TrainState, dict]:
+           rows: int | None = None, parts: tuple[int, ...] | None = None
+           ) -> tuple[TrainState, dict]:
   """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch.
 
   width: completion columns the update computes on (static; `update_width` of the longest
@@ -359,9 +361,15 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     seq_mean_token_sum_norm stays max_new_tokens) and saves their FLOPs.
   rows: rows the update computes on (static; `update_shape`); None = all. With one
     minibatch and no KL term a zero-advantage row adds exactly nothing to the gradient
-    (every per-token term is w * A * ratio), so the rows with signal are moved to the front
-    and only the first `rows` are computed on; the loss keeps the whole batch's row and
-    token counts as its normalisers, so the result is unchanged.
+    (every per-token term is w * A * ratio), so the rows with signal (replayed rows first)
+    are moved to the front and only the first `rows` are computed on; the loss keeps the
+    whole batch's row and token counts as its normalisers, so the result is unchanged.
+  parts: length-sorted micro-batches (static; `update_shape`, one minibatch only): the rows
+    computed on are sorted longest first and split into len(parts) equal micro-batches,
+    micro-batch i cut to parts[i] completion columns. The loss is a sum over rows with the
+    whole batch's normalisers, so the summed gradient of the micro-batches is the gradient
+    of the batch (one optimizer step, same result) while the short rows no longer pay for
+    the longest row's width. None = one micro-batch at `width`.
   pi_old (the proximal policy) is the current policy's log-prob before any update, so the
   first minibatch's gradient pass yields it (stop-gradient) at no cost (cfg.fuse_pi_old);
   only the other minibatches need a forward pass before the updates, and later passes over
@@ -379,58 +387,98 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   all_rows = batch.lengths.shape[0]
   t = batch.completions.shape[1]
   full_mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
+  m = cfg.num_minibatches
+  drop = rows is not None and rows < all_rows
+  parts = tuple(parts) if parts is not None and len(parts) > 1 else None
+  if drop and (m != 1 or cfg.loss.kl_coef > 0):
+    raise ValueError(f"update rows={rows} < {all_rows} needs one minibatch and no KL term.")
+  if parts is not None and (m != 1 or (rows or all_rows) % len(parts) or max(parts) > t):
+    raise ValueError(f"update parts={parts} needs one minibatch, rows={rows or all_rows} "
+                     f"divisible by {len(parts)} and widths <= {t}.")
   norms = {}
   order = None
-  if rows is not None and rows < all_rows:
-    if cfg.num_minibatches != 1 or cfg.loss.kl_coef > 0:
-      raise ValueError(f"update rows={rows} < {all_rows} needs one minibatch and no KL term.")
-    order = jnp.argsort(batch.advantages == 0, stable=True)[:rows]  # signal rows first
-    left_out = jnp.maximum((batch.advantages != 0).sum() - rows, 0)
-    norms = dict(norm_rows=all_rows, norm_tokens=full_mask.astype(jnp.float32).sum())
+  if drop or parts is not None:
+    n_fresh = fresh.lengths.shape[0]
+    is_rep = jnp.arange(all_rows) >= n_fresh
+    if drop:  # replayed rows, then fresh rows with signal, then the shortest zero-adv rows
+      zero = (batch.advantages == 0) & ~is_rep
+      key = (jnp.where(is_rep, 0, jnp.where(zero, 2, 1)) * (full_t + 1) +
+             jnp.where(zero, batch.lengths, 0))
+      order = jnp.argsort(key, stable=True)[:rows]
+    else:
+      order = jnp.arange(all_rows)
+    if parts is not None:  # longest first: the host sized each micro-batch's width for it
+      order = order[jnp.argsort(-jnp.take(batch.lengths, order), stable=True)]
+    signal = batch.advantages != 0
+    left_out = signal.sum() - jnp.take(signal, order).sum()
+    # (from the lengths: rows left out may be longer than the columns computed on)
+    norms = dict(norm_rows=all_rows, norm_tokens=batch.lengths.astype(jnp.float32).sum())
     full_batch = batch
     batch = jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch)
     if mesh is not None:
       batch = shd.constrain_batch(batch, mesh)
-  m = cfg.num_minibatches
+  rows_c = batch.lengths.shape[0]
+  widths = parts or (t,)
+  r = rows_c // len(widths)
+  part_batches = [batch] if parts is None else [
+      _trim(jax.tree.map(lambda x, i=i: x[i * r:(i + 1) * r], batch), w)
+      for i, w in enumerate(widths)]
+  if mesh is not None and parts is not None:
+    part_batches = [shd.constrain_batch(b, mesh) for b in part_batches]
   model_logp = functools.partial(completion_logprobs, graphdef,
                                  temperature=cfg.sampling.policy_temperature,
                                  chunk=cfg.logprob_chunk, remat=cfg.remat)
 
   def logp_fn(params, *seqs):  # params: the trainable tree (LoRA: adapters, unmerged path)
     return model_logp(model_params(params, state.base, cfg), *seqs)
-  mb_batch = _minibatches(batch, m)
-  mb_seqs = (mb_batch.prompts, mb_batch.prompt_lens, mb_batch.completions, mb_batch.lengths)
+  mb_parts = tuple(_minibatches(b, m) for b in part_batches)
+  mb_seqs = tuple((b.prompts, b.prompt_lens, b.completions, b.lengths) for b in mb_parts)
 
   def forward(params, seqs, fn=logp_fn):  # no-grad log-probs, one minibatch live at a time
     return jax.lax.map(lambda x: fn(params, *x)[0], seqs)
 
-  if cfg.fuse_pi_old:
-    rest = forward(state.params, jax.tree.map(lambda x: x[1:], mb_seqs)) if m > 1 else None
-    first = jnp.zeros((1, *mb_batch.behaviour_logp.shape[1:]), jnp.float32)
-    pi_old = first if rest is None else jnp.concatenate([first, rest])
-  else:
-    pi_old = forward(state.params, mb_seqs)
-  pi_old = jax.lax.stop_gradient(pi_old)  # [m, B/m, T]
+  def first_pi_old(b, seqs):
+    if not cfg.fuse_pi_old:
+      return forward(state.params, seqs)
+    first = jnp.zeros((1, *b.behaviour_logp.shape[1:]), jnp.float32)
+    if m == 1:
+      return first
+    return jnp.concatenate([first, forward(state.params, jax.tree.map(lambda x: x[1:], seqs))])
+
+  pi_old = jax.lax.stop_gradient(tuple(first_pi_old(b, s) for b, s in zip(mb_parts, mb_seqs)))
   ref_logp = None
   if cfg.loss.kl_coef > 0:  # LoRA: the reference is the base with the adapters off
-    ref_logp = (forward(state.base, mb_seqs, model_logp) if cfg.lora is not None else
-                forward(state.ref_params, mb_seqs))
+    ref_logp = tuple(forward(state.base, s, model_logp) if cfg.lora is not None else
+                     forward(state.ref_params, s) for s in mb_seqs)
 
-  def loss_fn(params, b: Batch, ref, old_in, is_first):
-    logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
-    old = jnp.where(is_first, jax.lax.stop_gradient(logp), old_in)
-    anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
-    loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask, cfg.loss,
-                                ref, norm_len=full_t, **norms)
-    return loss, (metrics, old)
+  def loss_fn(params, bs, refs, olds_in, is_first):
+    total, mets, olds, counts = 0.0, [], [], []
+    for i, b in enumerate(bs):
+      logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
+      old = jnp.where(is_first, jax.lax.stop_gradient(logp), olds_in[i])
+      anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
+      loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask,
+                                  cfg.loss, None if refs is None else refs[i],
+                                  norm_len=full_t, **norms)
+      total = total + loss  # each part's loss already has the whole batch's normalisers
+      mets.append(metrics)
+      olds.append(old)
+      counts.append(mask.astype(jnp.float32).sum())
+    if len(bs) == 1:
+      return total, (mets[0], tuple(olds))
+    n = sum(counts)  # token means over all parts, weighted by their tokens
+    metrics = {k: sum(mt[k] * c for mt, c in zip(mets, counts)) / jnp.maximum(n, 1.0)
+               for k in mets[0]}
+    metrics["loss/policy"] = total
+    return total, (metrics, tuple(olds))
 
   def minibatch_step(carry, xs):
     params, opt_state, store, epoch = carry
     j, b, ref = xs
     is_first = (epoch == 0) & (j == 0) & cfg.fuse_pi_old
     (loss, (metrics, old)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, b, ref, store[j], is_first)
-    store = store.at[j].set(old)
+        params, b, ref, tuple(s[j] for s in store), is_first)
+    store = tuple(s.at[j].set(o) for s, o in zip(store, old))
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     # Numeric guard: an update with a non-finite loss, gradient or result is skipped (params
@@ -447,7 +495,7 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     params, opt_state, store = carry
     (params, opt_state, store, _), metrics = jax.lax.scan(
         minibatch_step, (params, opt_state, store, epoch),
-        (jnp.arange(m), mb_batch, ref_logp))
+        (jnp.arange(m), mb_parts, ref_logp))
     return (params, opt_state, store), metrics
 
   (params, opt_state, pi_old), metrics = jax.lax.scan(
@@ -455,24 +503,29 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   skipped = metrics.pop("guard/skipped_updates").sum()
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["guard/skipped_updates"] = skipped
-  old_logp = _unminibatch(pi_old)
+  old_logp = jnp.concatenate([jnp.pad(_unminibatch(p), ((0, 0), (0, t - w)))
+                              for p, w in zip(pi_old, widths)])
   mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
-  computed = batch.lengths.shape[0] * (batch.prompts.shape[1] + t)
+  # Tokens past a row's computed width would be silently dropped: must be 0 (the host sizes
+  # the widths from the rows' lengths); the trainer checks it.
+  row_width = jnp.repeat(jnp.asarray(widths, jnp.int32), r)
+  metrics["guard/rows_over_width"] = (batch.lengths > row_width).sum().astype(jnp.float32)
+  computed = sum(r * (batch.prompts.shape[1] + w) for w in widths)
+  counted = (batch.advantages != 0) if drop else jnp.ones(batch.lengths.shape, bool)
+  real = jnp.where(counted, batch.prompt_lens + batch.lengths, 0).astype(jnp.float32).sum()
   if order is not None:  # back to the whole batch's rows; rows left out have no pi_old
     old_logp = jnp.zeros(full_mask.shape, jnp.float32).at[order].set(old_logp)
     mask = jnp.zeros(full_mask.shape, bool).at[order].set(mask)
     batch = full_batch
-  real = (batch.prompt_lens + batch.lengths).astype(jnp.float32).sum()
   metrics["ledger/update_width"] = jnp.asarray(t, jnp.float32)
-  metrics["ledger/update_rows"] = jnp.asarray(rows or all_rows, jnp.float32)
+  metrics["ledger/update_rows"] = jnp.asarray(rows_c, jnp.float32)
+  metrics["ledger/update_parts"] = jnp.asarray(len(widths), jnp.float32)
   # Must be 0 (the host sizes `rows` from the signal count); the trainer checks it.
   metrics["guard/signal_rows_left_out"] = (left_out if order is not None else
                                            jnp.zeros((), jnp.int32)).astype(jnp.float32)
-  # Token slots the update computed on that were padding (cut columns and left-out rows are
-  # not computed, so they do not count).
-  metrics["ledger/update_pad_frac"] = 1.0 - jnp.minimum(
-      jnp.where(batch.advantages != 0, batch.prompt_lens + batch.lengths, 0).astype(
-          jnp.float32).sum() if order is not None else real, computed) / computed
+  # Token slots the update computed on that were padding (cut columns, left-out rows and the
+  # columns past each micro-batch's width are not computed, so they do not count).
+  metrics["ledger/update_pad_frac"] = 1.0 - jnp.minimum(real, computed) / computed
   metrics.update(ledger(fresh, ro.stats, batch, mask, old_logp, replayed,
                         state.policy_version, cfg))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
@@ -657,18 +710,19 @@ class StepFns:
 
 def score_update(state: TrainState, ro: Rollouts, rewards, *, graphdef, cfg: StepConfig, tx,
                  mesh: Mesh | None = None, width: int | None = None,
-                 rows: int | None = None) -> tuple[TrainState, dict]:
+                 rows: int | None = None, parts: tuple[int, ...] | None = None
+                 ) -> tuple[TrainState, dict]:
   """The update half for rewards computed on the host (see rlx.rewards)."""
   state, ro = score(state, ro, rewards, cfg=cfg, mesh=mesh)
   return update(state, ro, graphdef=graphdef, cfg=cfg, tx=tx, mesh=mesh, width=width,
-                rows=rows)
+                rows=rows, parts=parts)
 
 
 def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
-                 scored: bool = True) -> dict[str, int]:
-  """The update's static shape for these rollouts: {"width", "rows"} for `update` (host side:
-  reads a few scalars, so it waits for the rollout). scored=False (host rewards: the
-  advantages do not exist yet): the width only."""
+                 scored: bool = True) -> dict:
+  """The update's static shape for these rollouts: {"width", "rows", "parts"} for `update`
+  (host side: reads the rows' lengths and signal flags, so it waits for the rollout).
+  scored=False (host rewards: the advantages do not exist yet): the width only."""
   b = ro.batch
   if "ledger/longest_row" in ro.stats:  # from `score`: replicated scalars
     longest = int(distributed.to_host(ro.stats["ledger/longest_row"]))
@@ -677,30 +731,60 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
     longest = int(distributed.to_host(b.lengths).max())
     signal = int((distributed.to_host(b.advantages) != 0).sum())
   total = b.lengths.shape[0]
-  if "replay/ring_max_len" in ro.stats:
-    longest = max(longest, int(distributed.to_host(ro.stats["replay/ring_max_len"])))
-  if cfg.replay is not None:
-    signal += cfg.replay.num_samples
-    total += cfg.replay.num_samples
-  shape = {"width": update_width(longest, cfg.sampling.max_new_tokens, cfg.update_buckets)}
-  if (scored and cfg.drop_zero_adv_rows and cfg.num_minibatches == 1 and
-      cfg.loss.kl_coef == 0):
+  replay_rows = ring_max = 0
+  if cfg.replay is not None:  # replayed rows: at most the ring's longest (unknown: any width)
+    ring_max = (int(distributed.to_host(ro.stats["replay/ring_max_len"]))
+                if "replay/ring_max_len" in ro.stats else cfg.sampling.max_new_tokens)
+    longest = max(longest, ring_max)
+    replay_rows = cfg.replay.num_samples
+    signal += replay_rows
+    total += replay_rows
+  t = cfg.sampling.max_new_tokens
+  shape = {"width": update_width(longest, t, cfg.update_buckets)}
+  if not scored:
+    return shape
+  one_mb = cfg.num_minibatches == 1
+  if cfg.drop_zero_adv_rows and one_mb and cfg.loss.kl_coef == 0:
     shape["rows"] = update_rows(signal, total, num_batch_devices)
+  n = cfg.update_parts
+  rows = shape.get("rows", total)
+  split = n > 1 and one_mb and rows % (n * num_batch_devices) == 0 and cfg.update_buckets > 1
+  if rows < total or split:
+    lengths = distributed.to_host(b.lengths).astype(int)
+    if rows < total:  # as `update` selects: all signal rows, then the shortest zero-adv rows
+      sig = distributed.to_host(b.advantages) != 0
+      lengths = np.concatenate([lengths[sig], np.sort(lengths[~sig])])
+    # Replayed rows (first) are drawn inside the update: bounded by the ring's longest row.
+    chosen = np.sort(np.concatenate([np.full(replay_rows, ring_max, int), lengths])[:rows])
+    # Rows left out need no columns: the width of the rows computed on.
+    shape["width"] = update_width(int(chosen[-1]), t, cfg.update_buckets)
+    if split:
+      widths = part_widths(chosen[::-1], n, t, cfg.update_buckets)
+      if len(set(widths)) > 1:  # equal widths: one micro-batch does the same work
+        shape["parts"] = widths
   return shape
+
+
+def part_widths(lengths_desc, parts: int, max_new_tokens: int, buckets: int) -> tuple:
+  """Completion widths of `parts` equal micro-batches of rows sorted longest first."""
+  r = len(lengths_desc) // parts
+  return tuple(update_width(int(lengths_desc[i * r]), max_new_tokens, buckets)
+               for i in range(parts))
 
 
 class _ByShape:
   """One jitted function per static update shape (`update_shape`: at most update_buckets
-  widths x 2 row counts)."""
+  widths x 2 row counts, times the non-increasing width tuples of the micro-batches)."""
 
   def __init__(self, make: Callable[..., Callable]):
     self._make = make
     self._fns: dict[tuple, Callable] = {}
 
-  def __call__(self, *args, width: int | None = None, rows: int | None = None):
-    key = (width, rows)
+  def __call__(self, *args, width: int | None = None, rows: int | None = None,
+               parts: tuple[int, ...] | None = None):
+    key = (width, rows, parts)
     if key not in self._fns:
-      self._fns[key] = self._make(width, rows)
+      self._fns[key] = self._make(width, rows, parts)
     return self._fns[key](*args)
 
   def _cache_size(self) -> int:
@@ -714,15 +798,15 @@ def make_step_fns(graphdef, cfg: StepConfig, tx, mesh: Mesh, abstract_state: Tra
   kw = dict(graphdef=graphdef, cfg=cfg, mesh=mesh)
   roll = jax.jit(functools.partial(rollout, **kw), donate_argnums=0,
                  in_shardings=(s_shard, rep), out_shardings=(s_shard, None))
-  upd = _ByShape(lambda w, r: jax.jit(
-      functools.partial(update, tx=tx, width=w, rows=r, **kw), donate_argnums=0,
+  upd = _ByShape(lambda w, r, p: jax.jit(
+      functools.partial(update, tx=tx, width=w, rows=r, parts=p, **kw), donate_argnums=0,
       in_shardings=(s_shard, None), out_shardings=(s_shard, rep)))
   fused = jax.jit(functools.partial(train_step, tx=tx, **kw), donate_argnums=0,
                   in_shardings=(s_shard, rep), out_shardings=(s_shard, rep))
   gen = jax.jit(functools.partial(generate, **kw), donate_argnums=0,
                 in_shardings=(s_shard, rep), out_shardings=(s_shard, None, None))
-  sc_upd = _ByShape(lambda w, r: jax.jit(
-      functools.partial(score_update, tx=tx, width=w, rows=r, **kw), donate_argnums=0,
+  sc_upd = _ByShape(lambda w, r, p: jax.jit(
+      functools.partial(score_update, tx=tx, width=w, rows=r, parts=p, **kw), donate_argnums=0,
       in_shardings=(s_shard, None, None), out_shardings=(s_shard, rep)))
   return StepFns(rollout=roll, update=upd, train_step=fused, generate=gen,
                  score_update=sc_upd, state_sharding=s_shard, pool_sharding=rep)

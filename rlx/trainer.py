@@ -56,7 +56,7 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       selection=spec.selection, replay=spec.replay, length=spec.length,
       reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
       fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
-      drop_zero_adv_rows=rl.drop_zero_adv_rows,
+      drop_zero_adv_rows=rl.drop_zero_adv_rows, update_parts=rl.update_parts,
       verifier=registry.verifier_for(spec.task, tokenizer), lora=spec.lora,
       staleness_hist=spec.pipeline.mode == "overlap")
 
@@ -609,6 +609,9 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       if m.get("guard/signal_rows_left_out", 0) > 0:  # a bug, never a data problem
         raise RuntimeError(f"step {step + 1}: the update left out "
                            f"{int(m['guard/signal_rows_left_out'])} rows with a learning signal.")
+      if m.get("guard/rows_over_width", 0) > 0:  # a bug, never a data problem
+        raise RuntimeError(f"step {step + 1}: the update cut {int(m['guard/rows_over_width'])} "
+                           f"rows shorter than their length.")
       _check_rewards(m, exp, spec)
       m["time/generate_s"] = t_gen
       m["time/update_s"] = t_upd

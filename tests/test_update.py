@@ -57,7 +57,7 @@ def _config(**kw):
   return train.StepConfig(**base)
 
 
-def _step(cfg, g, params, ro, width=None, seed=0, rows=None):
+def _step(cfg, g, params, ro, width=None, seed=0, rows=None, parts=None):
   mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
   # Plain SGD: parameters move linearly in the gradients (Adam's normalisation would magnify
   # f32 rounding in near-zero gradient entries to a full step).
@@ -69,7 +69,7 @@ def _step(cfg, g, params, ro, width=None, seed=0, rows=None):
                                 jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
     state = state.replace(replay=ring, policy_version=jnp.ones((), jnp.int32))
   fn = jax.jit(functools.partial(train.update, graphdef=g, cfg=cfg, tx=tx, width=width,
-                                 rows=rows))
+                                 rows=rows, parts=parts))
   new_state, metrics = fn(state, ro)
   return new_state.params, jax.device_get(metrics)
 
@@ -112,7 +112,7 @@ def test_leaving_out_zero_advantage_rows_changes_nothing(aggregation):
   adv[1::3] = 0.0  # 11 of 16
   ro = ro._replace(batch=ro.batch.replace(advantages=jnp.asarray(adv)))
   cfg = _config(loss=LossConfig(aggregation=aggregation))
-  shape = train.update_shape(ro, cfg)
+  shape = train.update_shape(ro, dataclasses.replace(cfg, update_parts=1))
   assert shape == {"width": 16, "rows": 8}  # 5 signal rows <= half of 16
   ref_params, ref_m = _step(cfg, g, params, ro)
   got_params, got_m = _step(cfg, g, params, ro, **shape)
@@ -150,3 +150,102 @@ def test_update_widths_are_a_bounded_set():
   assert train.update_width(3, 20, 4) == 8 and train.update_width(20, 20, 4) == 20
   assert {train.update_width(n, 24, 4) for n in range(25)} == {8, 16, 24}
   assert {train.update_width(n, 24, 1) for n in range(25)} == {24}
+
+
+PARTS_CASES = {
+    "one_minibatch": {},
+    "replay": dict(replay=ReplayConfig(capacity=16, num_samples=8, max_staleness=4)),
+    "kl_seq_sum_norm": CASES["kl_seq_sum_norm"],
+    "seq_mean_token_mean_two_updates": dict(
+        loss=LossConfig(aggregation="seq_mean_token_mean"), num_updates=2),
+    "zero_adv_rows_left_out": {},
+    "behaviour_anchor": dict(loss=LossConfig(anchor="behaviour")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARTS_CASES))
+def test_length_sorted_micro_batches_equal_the_padded_update(case):
+  # Rows sorted by length into two micro-batches, each cut to its own width, gradients summed:
+  # the same step as the padded update over the whole batch at max_new_tokens.
+  g, params, ro = _rollouts(seed=3)
+  lengths = np.asarray(ro.batch.lengths).copy()
+  lengths[:3] = (20, 19, 18)  # a long tail: 3 rows need the 24-wide bucket, most fit in 8-16
+  lengths[3:] = np.minimum(lengths[3:], 7)
+  comp = np.asarray(ro.batch.completions).copy()
+  comp[np.arange(T)[None, :] >= lengths[:, None]] = 0
+  comp[np.arange(T)[None, :] < lengths[:, None]] = np.maximum(
+      comp[np.arange(T)[None, :] < lengths[:, None]], 4)
+  behaviour = np.where(np.arange(T)[None, :] < lengths[:, None],
+                       np.asarray(ro.batch.behaviour_logp) - 1.0, 0.0)
+  adv = np.asarray(ro.batch.advantages).copy()
+  if case == "zero_adv_rows_left_out":
+    adv[1::2] = 0.0  # 8 of 16 rows without signal: half the rows are computed on
+  batch = ro.batch.replace(lengths=jnp.asarray(lengths), completions=jnp.asarray(comp),
+                           behaviour_logp=jnp.asarray(behaviour, jnp.float32),
+                           advantages=jnp.asarray(adv))
+  stats = dict(ro.stats)
+  cfg = _config(**PARTS_CASES[case])
+  if cfg.replay is not None:  # the ring holds this batch (see _step): its longest row is 20
+    stats["replay/ring_max_len"] = jnp.asarray(20.0)
+  ro = train.Rollouts(batch, stats)
+  ref_params, ref_m = _step(dataclasses.replace(cfg, fuse_pi_old=False), g, params, ro)
+  assert ref_m["loss/policy"] != 0 and ref_m["grad_norm"] > 0
+  shape = train.update_shape(ro, cfg)
+  assert shape["width"] == 24 and len(shape["parts"]) == 2, shape
+  assert shape["parts"][0] == 24 and shape["parts"][1] < 24, shape
+  if case == "zero_adv_rows_left_out":
+    assert shape["rows"] == 8
+  one_part = {k: v for k, v in shape.items() if k != "parts"}
+  _, one_m = _step(cfg, g, params, ro, **one_part)
+  got_params, got_m = _step(cfg, g, params, ro, **shape)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               ref_params, got_params)
+  keys = ["loss/policy", "loss/ratio_mean", "loss/is_weight_mean", "loss/clip_frac",
+          "ledger/logp_drift_max", "ledger/tokens_trained"]
+  if case == "zero_adv_rows_left_out":  # token means over the rows computed on (as one_m)
+    keys = ["loss/policy", "ledger/tokens_trained"]
+    for key in ("loss/ratio_mean", "loss/is_weight_mean", "ledger/logp_drift_max"):
+      np.testing.assert_allclose(got_m[key], one_m[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  for key in keys:
+    np.testing.assert_allclose(got_m[key], ref_m[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  assert got_m["ledger/update_parts"] == 2 and got_m["guard/rows_over_width"] == 0
+  assert got_m["guard/signal_rows_left_out"] == 0
+  # The short micro-batch's columns past its width are not computed: less padding.
+  assert got_m["ledger/update_pad_frac"] < one_m["ledger/update_pad_frac"] - 0.1, (
+      got_m["ledger/update_pad_frac"], one_m["ledger/update_pad_frac"])
+
+
+def test_micro_batch_widths_bound_their_rows_and_are_a_bounded_set():
+  rng = np.random.default_rng(0)
+  cfg = _config()
+  keys = set()
+  for _ in range(200):  # many batches of long-tailed lengths, some with zero-adv rows
+    lengths = np.minimum(rng.geometric(rng.uniform(0.05, 0.5), B), T).astype(np.int32)
+    adv = rng.normal(0, 1, B) * (rng.uniform(size=B) < rng.uniform(0.2, 1.0))
+    batch = _rollouts_like(lengths, adv)
+    shape = train.update_shape(batch, cfg)
+    keys.add(tuple(sorted((k, v) for k, v in shape.items())))
+    widths = shape.get("parts", (shape["width"],))
+    assert list(widths) == sorted(widths, reverse=True) and widths[0] == shape["width"]
+    # Every row the update computes on fits its micro-batch (as `update` orders them).
+    rows = shape.get("rows", B)
+    sig = adv != 0
+    chosen = (np.concatenate([lengths[sig], np.sort(lengths[~sig])]) if rows < B
+              else lengths)[:rows]
+    r = rows // len(widths)
+    for i, w in enumerate(widths):
+      assert np.sort(chosen)[::-1][i * r:(i + 1) * r].max() <= w
+  # Widths from the buckets {8, 16, 24}: single widths and non-increasing unequal pairs, x
+  # two row counts -> at most (3 + 3) x 2 compiled update shapes.
+  assert len(keys) <= 12, keys
+
+
+def _rollouts_like(lengths, adv):
+  batch = train.Batch(
+      prompts=jnp.zeros((B, P), jnp.int32), prompt_lens=jnp.ones((B,), jnp.int32),
+      completions=jnp.zeros((B, T), jnp.int32), behaviour_logp=jnp.zeros((B, T)),
+      lengths=jnp.asarray(lengths), truncated=jnp.zeros((B,), bool),
+      rewards=jnp.zeros((B,)), advantages=jnp.asarray(adv, jnp.float32),
+      prompt_ids=jnp.zeros((B,), jnp.int32), difficulty=jnp.ones((B,), jnp.int32),
+      policy_version=jnp.zeros((B,), jnp.int32))
+  return train.Rollouts(batch, {})
