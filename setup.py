@@ -25,8 +25,10 @@ EXTRAS = {
     # tensorboard (no TensorFlow needed): its EventAccumulator cross-checks the event files that
     # rlx.tensorboard writes by hand; rlx itself never imports it.
     # nbclient + nbformat + ipykernel: tests/test_notebooks.py executes the colab/ notebooks.
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard>=2.15", "nbclient>=0.10",
-             "nbformat>=5.10", "ipykernel>=6.29"],
+    # pytest-xdist: the suite runs in two worker processes, one test file each at a time
+    # (--dist loadfile keeps a file's module fixtures and compiled programs in one process).
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "tensorboard>=2.15",
+             "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
     # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
     # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build. peft
     # loads the LoRA adapters rlx.export --peft writes (tests/model/test_lora_export.py).
