@@ -124,8 +124,16 @@ class SummaryWriter:
   def __init__(self, logdir: str, *, purge_step: int | None = None, flush_every_s: float = 10):
     os.makedirs(logdir, exist_ok=True)
     SummaryWriter._counter += 1
-    name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-            f"{os.getpid()}.{SummaryWriter._counter}")
+    # TensorBoard (and read_scalars) replay a logdir's files in name order, so a resumed run's
+    # file must sort after every earlier one. The classic name (whole seconds, then pid and an
+    # unpadded counter) does not: two writers in one second sort by pid, and counter 10 sorts
+    # before 9. Microseconds at a fixed width do; a newest file from a clock ahead of ours
+    # (another host, a step back of the clock) gets our name appended to its own.
+    existing = sorted(f for f in os.listdir(logdir) if "tfevents" in f)
+    name = (f"events.out.tfevents.{time.time_ns() // 1000:016d}.{socket.gethostname()}."
+            f"{os.getpid()}.{SummaryWriter._counter:06d}")
+    if existing and name <= existing[-1]:
+      name = f"{existing[-1]}.{name[len('events.out.tfevents.'):]}"
     self.path = os.path.join(logdir, name)
     self._f = open(self.path, "wb")
     self._flush_every_s = flush_every_s

@@ -56,6 +56,21 @@ def test_resume_purges_the_steps_written_again(tmp_path):
   assert tb.read_scalars(str(tmp_path))["x"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
+def test_a_resumed_runs_file_sorts_after_the_earlier_ones(tmp_path, monkeypatch):
+  # Regression: CI ran this file in an xdist worker whose writer counter had reached 9, so the
+  # resumed file (".10") sorted before the first (".9") and the purge was replayed first.
+  monkeypatch.setattr(tb.SummaryWriter, "_counter", 8)
+  write_run(str(tmp_path), {s: {"x": float(s)} for s in range(1, 6)})
+  write_run(str(tmp_path), {s: {"x": 10.0 * s} for s in range(3, 5)}, purge_step=3)
+  assert tb.read_scalars(str(tmp_path))["x"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+  # An earlier file named from a clock ahead of ours (another host, a clock step back) still
+  # sorts before the file written now.
+  future = os.path.join(str(tmp_path), "events.out.tfevents.9999999999999999.elsewhere.1.000001")
+  open(future, "wb").close()
+  path = write_run(str(tmp_path), {6: {"x": 6.0}}, purge_step=6)
+  assert sorted(os.listdir(str(tmp_path)))[-1] == os.path.basename(path)
+
+
 def test_tensorboard_reads_our_files(tmp_path):
   event_accumulator = pytest.importorskip(
       "tensorboard.backend.event_processing.event_accumulator")
