@@ -17,6 +17,10 @@ digits). Accuracy is greedy, held-out, on the band.
   O      B0 with generation and training overlapped on two sub-meshes, one step off-policy
          (pipeline.mode=overlap; needs --cpu_devices >= 2): what the staleness costs
   +A     with rl.anchor=behaviour (e.g. O+A): the clip around the behaviour policy
+  V      adaptive rollout budgets (rlx.rl.adaptive): --adaptive_first samples per prompt, then
+         rl.group_size - first more for --adaptive_extend groups (default half), the most
+         uncertain first: 3/4 of B0's sequences per step at the defaults (G0 4, G 8)
+  U      as V, unsolved groups first (AR3PO)
 
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
@@ -63,6 +67,10 @@ _IS_CAP = flags.DEFINE_float("replay_is_cap", 2.0, "R arms: rl.is_cap (C).")
 # advantages kept pushing and hurt (and collapsed runs with 4 prompts per step); the
 # behaviour anchor bounds each sample's push and made replay harmless.
 _ANCHOR = flags.DEFINE_string("replay_anchor", "behaviour", "R arms: rl.anchor.")
+_ADAPT_FIRST = flags.DEFINE_integer("adaptive_first", 4, "V / U arms: round-1 samples per "
+                                    "prompt (G0; extended groups get rl.group_size).")
+_ADAPT_EXTEND = flags.DEFINE_integer("adaptive_extend", 0, "V / U arms: groups extended per "
+                                     "step (0: half of prompts_per_step).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,11 +94,23 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
       o["length.overlong_buffer"] = 32
   if "K" in arm.split("+"):
     o["length.length_reward"] = 0.5
+  # Adaptive rollout budgets (rlx.rl.adaptive): V extends the most uncertain groups, U the
+  # unsolved ones first (AR3PO).
+  for letter, priority in (("V", "uncertain"), ("U", "unsolved")):
+    if letter in arm.split("+"):
+      o.update({"adaptive.first": _ADAPT_FIRST.value,
+                "adaptive.extend_groups": (_ADAPT_EXTEND.value or
+                                           max(1, prompts_per_step() // 2)),
+                "adaptive.priority": priority})
   if "O" in arm.split("+"):
     o["pipeline.mode"] = "overlap"
   if "A" in arm.split("+"):  # the clip around the behaviour policy (as the R arms use)
     o["rl.anchor"] = "behaviour"
   return o
+
+
+def prompts_per_step() -> int:
+  return _PROMPTS.value or (8 if _TASK.value == "reasoning" else 16)
 
 
 def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir: str,

@@ -18,6 +18,7 @@ from rlx.model.lora import LoRAConfig
 from rlx.rl import advantages as adv_lib
 from rlx.rl.length import LengthConfig
 from rlx.rl.loss import LossConfig
+from rlx.rl.adaptive import AdaptiveConfig
 from rlx.rl.replay import ReplayConfig
 from rlx.rl.selection import SelectionConfig
 from rlx.sampler.sampling import SamplingParams
@@ -264,6 +265,7 @@ class RunSpec:
   record: dict[str, Any]  # the ConfigDict as JSON (config.json, checkpoint metadata)
   lora: LoRAConfig | None = None  # None: full-parameter training
   pipeline: PipelineSpec = PipelineSpec()
+  adaptive: AdaptiveConfig | None = None  # None: every group gets rl.group_size samples
 
 
 def validate(config: mlc.ConfigDict, num_batch_devices: int = 1) -> None:
@@ -305,6 +307,25 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
           f"config.replay.capacity={replay.capacity} must be a multiple of the "
           f"{num_batch_devices} data-parallel devices (the ring is split over them).")
   selection = selection_config(config)
+  adaptive = adaptive_config(config)
+  if adaptive is not None:
+    try:
+      adaptive.check(rl.prompts_per_step, rl.group_size)
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from None
+    _need(not selection.dynamic_filter,
+          "config.adaptive.first > 0 with config.selection.dynamic_filter=True: both decide "
+          "which groups get samples; use one of them.")
+    _need(not ("pipeline" in config and config.pipeline.mode == "overlap"),
+          "config.adaptive.first > 0 with config.pipeline.mode='overlap': adaptive rollout "
+          "budgets run in the sync pipeline only.")
+    for what, rows in (("prompts_per_step * adaptive.first", rl.prompts_per_step *
+                        adaptive.first),
+                       ("adaptive.extend_groups * (group_size - adaptive.first)",
+                        adaptive.extend_groups * (rl.group_size - adaptive.first))):
+      _need(rows % num_batch_devices == 0,
+            f"config.{what} = {rows} rollouts per round cannot be split over the "
+            f"{num_batch_devices} data-parallel devices; use a multiple of {num_batch_devices}.")
   length = length_config(config)
   _need(batch % num_batch_devices == 0,
         f"config.rl.prompts_per_step * config.rl.group_size = {batch} rollouts cannot be split "
@@ -398,7 +419,7 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
                 update_parts=_int(config, "rl.update_parts", 1, 64)),
       selection=selection, replay=replay, length=length, sampler=sampler, optim=optim,
       guard=guard, memory=memory_spec, mesh=mesh, record=to_plain(config), lora=lora,
-      pipeline=pipeline)
+      pipeline=pipeline, adaptive=adaptive)
 
 
 def pipeline_spec(config: mlc.ConfigDict) -> PipelineSpec:
@@ -495,6 +516,20 @@ def selection_config(config: mlc.ConfigDict) -> SelectionConfig:
     return SelectionConfig(**dict(config.selection))
   except (ValueError, TypeError) as e:
     raise ConfigError(f"config.selection: {e}") from None
+
+
+def adaptive_config(config: mlc.ConfigDict) -> AdaptiveConfig | None:
+  """config.adaptive (rlx.rl.adaptive) or None when first == 0 (configs written before it
+  existed: None)."""
+  if "adaptive" not in config or not config.adaptive.first:
+    return None
+  a = config.adaptive
+  try:
+    return AdaptiveConfig(first=_int(config, "adaptive.first", 0),
+                          extend_groups=_int(config, "adaptive.extend_groups", 0),
+                          priority=a.priority)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.{e}") from None
 
 
 def replay_config(config: mlc.ConfigDict) -> ReplayConfig | None:
@@ -704,6 +739,14 @@ def defaults() -> mlc.ConfigDict:
   c.replay.max_staleness = 4
   c.replay.max_reuse = 2
   c.replay.priority = "abs_adv"  # abs_adv | recency | uniform
+
+  # Adaptive rollout budgets (rlx.rl.adaptive): `first` samples per prompt, then
+  # rl.group_size - first more for `extend_groups` groups chosen by `priority` from the first
+  # round's rewards. first = 0: off (every group gets rl.group_size samples).
+  c.adaptive = mlc.ConfigDict()
+  c.adaptive.first = 0
+  c.adaptive.extend_groups = 0
+  c.adaptive.priority = "uncertain"  # uncertain | unsolved
 
   c.length = mlc.ConfigDict()
   c.length.overlong_shaping = False

@@ -9,7 +9,7 @@ writes PNGs (matplotlib, Agg; no display needed):
   accuracy.png        held-out greedy accuracy by difficulty (eval/accuracy_d*) and on the band
   response_length.png mean response length (tokens) and the share of truncated responses
   time.png            seconds per step in generation and update (stacked)
-  tokens.png          cumulative tokens: generated, trained, in zero-advantage groups, replayed
+  tokens.png          cumulative tokens: generated, trained, in zero-advantage rows, replayed
   pass_rate.png       pass-rate histogram of the chosen prompts (select/pass_rate_hist_<bin>)
   timeline.png        overlap mode (config.pipeline) only: when each sub-mesh computed
                       (generator and learner busy intervals from the pipeline's dispatch and
@@ -212,7 +212,7 @@ def summary_text(run: Run, notes: Sequence[str] = ()) -> str:
   if s["tokens_trained"] is not None:
     tok += f"; trained on: {_tokens(s['tokens_trained'])}"
   if s["tokens_zero_adv"] is not None and s["tokens_generated"]:
-    tok += (f"; in zero-advantage groups: {_tokens(s['tokens_zero_adv'])} "
+    tok += (f"; with zero advantage: {_tokens(s['tokens_zero_adv'])} "
             f"({_pct(s['tokens_zero_adv'] / s['tokens_generated'])})")
   if s["tokens_discarded"]:
     tok += f"; discarded by dynamic filtering: {_tokens(s['tokens_discarded'])}"
@@ -400,7 +400,7 @@ def plot_time(run: Run, path: str) -> str | None:
 def plot_tokens(run: Run, path: str) -> str | None:
   curves = [("ledger/tokens_generated", "generated", "tab:orange", "-"),
             ("ledger/tokens_trained", "trained on (fresh + replayed)", "tab:blue", "-"),
-            ("ledger/tokens_zero_adv", "in zero-advantage groups (no gradient signal)",
+            ("ledger/tokens_zero_adv", "in zero-advantage rows (no gradient signal)",
              "tab:red", "--"),
             ("ledger/tokens_discarded", "discarded by dynamic filtering", "tab:brown", ":"),
             ("ledger/tokens_replayed", "replayed from the buffer", "tab:green", "-.")]

@@ -40,6 +40,7 @@ from rlx import sharding as shd
 from rlx.data.tasks import PromptPool, Verifier
 from rlx.model import lora as lora_lib
 from rlx.model import transformer
+from rlx.rl import adaptive as adaptive_lib
 from rlx.rl import advantages as adv_lib
 from rlx.rl import length as length_lib
 from rlx.rl import replay as replay_lib
@@ -86,6 +87,9 @@ class Rollouts(NamedTuple):
 
   batch: Batch
   stats: dict  # ledger scalars of the rollout (tokens generated incl. discarded, selector)
+  # bool[B] rows sampled (adaptive rollout budgets, rlx.rl.adaptive: a group not extended
+  # leaves its last G - G0 rows unsampled); None: every row.
+  valid: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +121,29 @@ class StepConfig:
   verifier: Verifier = Verifier()  # the task's jnp reward (exact match, final answer, ...)
   lora: lora_lib.LoRAConfig | None = None  # None: full-parameter training
   staleness_hist: bool = False  # log the fresh rows' staleness histogram (overlap mode)
+  # Adaptive rollout budgets (rlx.rl.adaptive): G0 samples per prompt, then group_size - G0
+  # more for extend_groups of the groups. None: every group gets group_size samples.
+  adaptive: adaptive_lib.AdaptiveConfig | None = None
+
+  def __post_init__(self):
+    if self.adaptive is not None:
+      self.adaptive.check(self.prompts_per_step, self.group_size)
+      if self.selection.dynamic_filter:
+        raise ValueError("adaptive rollout budgets with selection.dynamic_filter: both "
+                         "decide which groups to spend samples on; use one of them.")
 
   @property
   def batch_size(self) -> int:
-    """Fresh rollouts trained on per step (after dynamic filtering)."""
+    """Fresh rows per step (after dynamic filtering), group-major; with adaptive budgets
+    some are unsampled (`sampled_rows`)."""
     return self.prompts_per_step * self.group_size
+
+  @property
+  def sampled_rows(self) -> int:
+    """Fresh rows actually sampled and trained on per step."""
+    if self.adaptive is None:
+      return self.batch_size
+    return self.adaptive.sequences(self.prompts_per_step, self.group_size)
 
   @property
   def train_batch_size(self) -> int:
@@ -187,13 +209,15 @@ def completion_logprobs(graphdef, params, prompts_BxP, prompt_lens_B, completion
 # ----------------------------------------------------------------------------- step halves
 
 
-def sample(graphdef, params, prompts, prompt_lens, keys, cfg: StepConfig, mesh: Mesh | None):
+def sample(graphdef, params, prompts, prompt_lens, keys, cfg: StepConfig, mesh: Mesh | None,
+           group_size: int | None = None):
+  """group_size: consecutive rows sharing a prompt (None: cfg.group_size)."""
   if cfg.sampler_impl == "dense":
     return dense.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, cfg.sampling)
   if cfg.sampler_impl == "paged":
     return paged.generate_unjitted(graphdef, params, prompts, prompt_lens, keys, cfg.sampling,
                                    cfg.paged or paged.PagedConfig(),
-                                   group_size=cfg.group_size, mesh=mesh)
+                                   group_size=group_size or cfg.group_size, mesh=mesh)
   raise ValueError(f"sampler impl {cfg.sampler_impl!r}; expected 'dense' or 'paged'.")
 
 
@@ -210,12 +234,20 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   ids = selection.choose(state.selector, cfg.selection, k_choose, pool.size, n, state.step)
   rows = jnp.repeat(ids, g)
   chosen = pool.take(rows)
-  keys = jax.random.split(k_sample, n * g)
-  if mesh is not None:
-    chosen, keys, rows = shd.constrain_batch((chosen, keys, rows), mesh)
-  ro = sample(graphdef, policy_params(state, cfg), chosen.prompts, chosen.prompt_lens, keys, cfg, mesh)
-  rewards = cfg.verifier(ro.tokens, chosen.answers, chosen.answer_lens)
+  valid = None
   stats = {}
+  if cfg.adaptive is not None:
+    ro, rewards, valid, stats = _generate_adaptive(state, pool, ids, k_sample,
+                                                   graphdef=graphdef, cfg=cfg, mesh=mesh)
+    if mesh is not None:
+      chosen, rows = shd.constrain_batch((chosen, rows), mesh)
+  else:
+    keys = jax.random.split(k_sample, n * g)
+    if mesh is not None:
+      chosen, keys, rows = shd.constrain_batch((chosen, keys, rows), mesh)
+    ro = sample(graphdef, policy_params(state, cfg), chosen.prompts, chosen.prompt_lens, keys,
+                cfg, mesh)
+    rewards = cfg.verifier(ro.tokens, chosen.answers, chosen.answer_lens)
   if state.selector is not None:
     hist = selection.pass_rate_histogram(state.selector, ids)
     for i in range(hist.shape[0]):
@@ -229,7 +261,51 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
                 policy_version=jnp.full(rows.shape, state.policy_version, jnp.int32))
   if mesh is not None:
     batch, rewards = shd.constrain_batch((batch, rewards), mesh)
-  return state.replace(rng=jax.random.key_data(rng)), Rollouts(batch, stats), rewards
+    if valid is not None:
+      valid = shd.constrain_batch(valid, mesh)
+  return state.replace(rng=jax.random.key_data(rng)), Rollouts(batch, stats, valid), rewards
+
+
+def _generate_adaptive(state: TrainState, pool: PromptPool, ids, key, *, graphdef,
+                       cfg: StepConfig, mesh: Mesh | None):
+  """Two rounds (rlx.rl.adaptive): n x G0 samples, the verifier, then G - G0 more for the
+  extended groups. Returns (rollout [n G] group-major with unsampled rows zeroed, verifier
+  rewards f32[n G], valid bool[n G], stats)."""
+  ac = cfg.adaptive
+  n, g, g0 = cfg.prompts_per_step, cfg.group_size, ac.first
+  g2, n2 = g - g0, ac.extend_groups
+  k_groups, k_ext = jax.random.split(key)
+  group_keys = jax.random.split(k_groups, n)
+  params = policy_params(state, cfg)
+
+  def sample_round(slot_ids, members):
+    rows = jnp.repeat(ids[slot_ids], len(members))
+    chosen = pool.take(rows)
+    keys = adaptive_lib.row_keys(group_keys[slot_ids], members).reshape(-1)
+    if mesh is not None:
+      chosen, keys = shd.constrain_batch((chosen, keys), mesh)
+    ro = sample(graphdef, params, chosen.prompts, chosen.prompt_lens, keys, cfg, mesh,
+                group_size=len(members))
+    return ro, cfg.verifier(ro.tokens, chosen.answers, chosen.answer_lens)
+
+  ro1, r1 = sample_round(jnp.arange(n), range(g0))
+  ext = adaptive_lib.choose_extended(r1.reshape(n, g0), ac, k_ext)
+  ro2, r2 = sample_round(ext, range(g0, g))
+  merge = lambda a, b: adaptive_lib.merge_rounds(a, b, ext, n)
+  ro = jax.tree.map(merge, ro1, ro2)
+  rewards = merge(r1, r2)
+  valid = adaptive_lib.valid_rows(ext, n, g0, g)
+  solved = (r1.reshape(n, g0) > 0).sum(axis=1)
+  mixed = (solved > 0) & (solved < g0)
+  ext_mixed = jnp.take(mixed, ext)
+  stats = {
+      "adaptive/round1_mixed_groups": mixed.astype(jnp.float32).sum(),
+      "adaptive/extended_mixed_groups": ext_mixed.astype(jnp.float32).sum(),
+      "adaptive/extended_unsolved_groups": (jnp.take(solved, ext) == 0).astype(
+          jnp.float32).sum(),
+      "adaptive/round2_tokens": ro2.lengths.astype(jnp.float32).sum(),
+  }
+  return ro, rewards, valid, stats
 
 
 def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
@@ -237,20 +313,26 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   """Task rewards -> shaped rewards, selector update, dynamic filtering, group advantages."""
   batch = ro.batch
   g = cfg.group_size
+  valid = ro.valid  # None: every row sampled
   correct = rewards.astype(jnp.float32)
+  if valid is not None:  # unsampled rows (rlx.rl.adaptive): reward 0, never invalid
+    correct = jnp.where(valid, correct, 0.0)
   lo, hi = cfg.reward_range
   invalid = ~jnp.isfinite(correct) | (correct < lo) | (correct > hi)
+  if valid is not None:
+    invalid = invalid & valid
   rewards = correct
   if cfg.length.overlong_shaping:
     rewards = rewards + length_lib.overlong_penalty(
         batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
   if cfg.length.length_reward > 0:
     rewards = rewards + cfg.length.length_reward * length_lib.group_length_reward(
-        batch.lengths, correct, g)
+        batch.lengths, correct, g, valid)
   groups = correct.reshape(-1, g)
   if state.selector is not None:
     state = state.replace(selector=selection.update(
-        state.selector, cfg.selection, batch.prompt_ids[::g], groups, state.step))
+        state.selector, cfg.selection, batch.prompt_ids[::g], groups, state.step,
+        None if valid is None else valid.reshape(-1, g)))
   lengths = batch.lengths.astype(jnp.float32)
   stats = dict(ro.stats)
   # Checked on the host after the step: the loop names the offending example.
@@ -273,7 +355,7 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
     correct = jnp.take(correct, row_order)
   else:
     stats["ledger/tokens_discarded"] = jnp.zeros((), jnp.float32)
-  advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage)
+  advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage, valid=valid)
   if cfg.length.overlong_filter:
     advantages = jnp.where(batch.truncated, 0.0, advantages)
   batch = batch.replace(rewards=correct, advantages=advantages)
@@ -282,7 +364,7 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   stats["ledger/signal_rows"] = (advantages != 0).sum().astype(jnp.float32)
   if mesh is not None:
     batch = shd.constrain_batch(batch, mesh)
-  return state, Rollouts(batch, stats)
+  return state, Rollouts(batch, stats, valid)
 
 
 def rollout(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
@@ -395,7 +477,10 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   if parts is not None and (m != 1 or (rows or all_rows) % len(parts) or max(parts) > t):
     raise ValueError(f"update parts={parts} needs one minibatch, rows={rows or all_rows} "
                      f"divisible by {len(parts)} and widths <= {t}.")
-  norms = {}
+  # Rows the loss averages over: the sampled ones (adaptive budgets leave some unsampled:
+  # no tokens, advantage 0; they must not dilute seq_mean_* aggregations).
+  unsampled = cfg.batch_size - cfg.sampled_rows
+  norms = dict(norm_rows=all_rows - unsampled) if unsampled else {}
   order = None
   if drop or parts is not None:
     n_fresh = fresh.lengths.shape[0]
@@ -412,7 +497,8 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     signal = batch.advantages != 0
     left_out = signal.sum() - jnp.take(signal, order).sum()
     # (from the lengths: rows left out may be longer than the columns computed on)
-    norms = dict(norm_rows=all_rows, norm_tokens=batch.lengths.astype(jnp.float32).sum())
+    norms = dict(norm_rows=all_rows - unsampled,
+                 norm_tokens=batch.lengths.astype(jnp.float32).sum())
     full_batch = batch
     batch = jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch)
     if mesh is not None:
@@ -527,7 +613,7 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   # columns past each micro-batch's width are not computed, so they do not count).
   metrics["ledger/update_pad_frac"] = 1.0 - jnp.minimum(real, computed) / computed
   metrics.update(ledger(fresh, ro.stats, batch, mask, old_logp, replayed,
-                        state.policy_version, cfg))
+                        state.policy_version, cfg, ro.valid))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             policy_version=state.policy_version + cfg.num_updates *
                             cfg.num_minibatches)
@@ -535,37 +621,45 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
 
 
 def ledger(fresh: Batch, stats: dict, batch: Batch, mask, old_logp, replayed, policy_version,
-           cfg: StepConfig) -> dict:
+           cfg: StepConfig, valid=None) -> dict:
   """Where this step's compute went, plus reward and replay statistics (device scalars).
 
   fresh: this step's rollouts (after dynamic filtering); batch: what was trained on (fresh
-  plus replayed rows); mask / old_logp are over `batch`.
+  plus replayed rows); mask / old_logp are over `batch`; valid: fresh rows sampled (None:
+  all; rlx.rl.adaptive). Every generated token is counted once:
+    tokens_generated = tokens_trained - tokens_replayed (fresh rows with signal)
+                       + tokens_zero_adv (fresh rows with advantage 0)
+                       + tokens_discarded (dynamic filtering)
   """
   g = cfg.group_size
   b = fresh.lengths.shape[0]
   lengths = fresh.lengths.astype(jnp.float32)
+  v = jnp.ones((b,), bool) if valid is None else valid
+  vf = v.astype(jnp.float32)
+  n_rows = vf.sum()
   groups = fresh.rewards.reshape(-1, g)
   # Zero-signal groups by their advantages (what the loss and the replay ring see), not by the
   # task rewards: shaped rewards can differ where the verifier's do not, and the other way round.
   zero_var = jnp.all(fresh.advantages.reshape(-1, g) == 0, axis=1)
-  zero_rows = jnp.repeat(zero_var, g)
   signal = fresh.advantages != 0
   # batch's first b rows are the fresh ones (at the update's width).
   drift = jnp.where(mask[:b], jnp.abs(old_logp[:b] - batch.behaviour_logp[:b]), 0.0)
   out = {
-      "reward/mean": fresh.rewards.mean(),
-      "reward/pass_at_group": jnp.mean(jnp.any(groups > 0, axis=1)),
+      "reward/mean": jnp.where(v, fresh.rewards, 0.0).sum() / n_rows,
+      "reward/pass_at_group": jnp.mean(jnp.any((groups > 0) & v.reshape(-1, g), axis=1)),
       "ledger/tokens_trained": jnp.where(signal, lengths, 0.0).sum(),
-      "ledger/tokens_zero_adv": jnp.where(zero_rows, lengths, 0.0).sum(),
+      # Every fresh row without signal: zero-variance groups, and rows whose advantage is 0
+      # in a group with signal (a filtered overlong row, a reward equal to the group mean).
+      "ledger/tokens_zero_adv": jnp.where(signal, 0.0, lengths).sum(),
       "ledger/zero_adv_group_frac": zero_var.astype(jnp.float32).mean(),
-      "ledger/truncated_frac": fresh.truncated.astype(jnp.float32).mean(),
-      "ledger/response_len_mean": lengths.mean(),
+      "ledger/truncated_frac": (fresh.truncated & v).astype(jnp.float32).sum() / n_rows,
+      "ledger/response_len_mean": lengths.sum() / n_rows,
+      "ledger/sequences": n_rows,
       "ledger/logp_drift_max": drift.max(),
       # Optimizer updates between the policy that generated each fresh row and the one
       # trained (0 in the sync step; up to pipeline.max_staleness x updates per step in
       # overlap mode, rlx.pipeline).
-      "ledger/staleness_mean": (policy_version - fresh.policy_version).astype(
-          jnp.float32).mean(),
+      "ledger/staleness_mean": ((policy_version - fresh.policy_version) * vf).sum() / n_rows,
       "ledger/staleness_max": (policy_version - fresh.policy_version).max().astype(
           jnp.float32),
       **stats,

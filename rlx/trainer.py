@@ -58,7 +58,7 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
       drop_zero_adv_rows=rl.drop_zero_adv_rows, update_parts=rl.update_parts,
       verifier=registry.verifier_for(spec.task, tokenizer), lora=spec.lora,
-      staleness_hist=spec.pipeline.mode == "overlap")
+      staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive)
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
@@ -475,6 +475,11 @@ def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
 def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
          stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
   host_reward = host_reward_fn(spec)  # an unknown reward fails before any work
+  if host_reward is not None and spec.adaptive is not None:
+    raise configs.ConfigError(
+        f"config.adaptive.first={spec.adaptive.first} with the host Python reward "
+        f"config.task.reward={spec.task.reward!r}: the second round is chosen from the first "
+        f"round's rewards inside the jitted rollout, which needs the task's jnp verifier.")
   if host_reward is not None and spec.pipeline.mode == "overlap":
     raise configs.ConfigError(
         f"config.pipeline.mode='overlap' with the host Python reward config.task.reward="

@@ -59,13 +59,16 @@ def overlong_penalty(lengths_B, truncated_B, max_len: int, cfg: LengthConfig):
   return cfg.overlong_penalty * pen
 
 
-def group_length_reward(lengths_B, correct_B, group_size: int):
+def group_length_reward(lengths_B, correct_B, group_size: int, valid_B=None):
   """Kimi k1.5's length reward (unscaled) per response; groups are consecutive rows; 0 in
-  groups without a correct response."""
+  groups without a correct response. valid_B: rows sampled (None: all; rlx.rl.adaptive),
+  the others get 0 and do not count towards their group's shortest / longest."""
   lens = lengths_B.astype(jnp.float32).reshape(-1, group_size)
   ok = (correct_B > 0).reshape(-1, group_size)
-  lo = lens.min(axis=1, keepdims=True)
-  hi = lens.max(axis=1, keepdims=True)
+  v = jnp.ones_like(ok) if valid_B is None else valid_B.reshape(-1, group_size)
+  ok = ok & v
+  lo = jnp.where(v, lens, jnp.inf).min(axis=1, keepdims=True)
+  hi = jnp.where(v, lens, -jnp.inf).max(axis=1, keepdims=True)
   lam = jnp.where(hi > lo, 0.5 - (lens - lo) / jnp.maximum(hi - lo, 1.0), 0.0)
   out = jnp.where(ok, lam, jnp.minimum(lam, 0.0))
-  return jnp.where(ok.any(axis=1, keepdims=True), out, 0.0).reshape(-1)
+  return jnp.where(ok.any(axis=1, keepdims=True) & v, out, 0.0).reshape(-1)

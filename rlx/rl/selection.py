@@ -125,11 +125,19 @@ def choose(sel: SelectorState | None, cfg: SelectionConfig, key, num_prompts: in
   return jax.lax.top_k(logw + gumbel, n)[1].astype(jnp.int32)
 
 
-def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, step):
-  """Folds each visited prompt's group result into its history."""
-  rate = rewards_PxG.mean(axis=1)
-  all_correct = jnp.all(rewards_PxG >= 1.0, axis=1)
-  zero_var = jnp.all(rewards_PxG == rewards_PxG[:, :1], axis=1)
+def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, step,
+           valid_PxG=None):
+  """Folds each visited prompt's group result into its history. valid_PxG: the members
+  sampled (None: all; rlx.rl.adaptive's groups of unequal size, first member always)."""
+  if valid_PxG is None:
+    rate = rewards_PxG.mean(axis=1)
+    all_correct = jnp.all(rewards_PxG >= 1.0, axis=1)
+    zero_var = jnp.all(rewards_PxG == rewards_PxG[:, :1], axis=1)
+  else:
+    k = valid_PxG.sum(axis=1).astype(jnp.float32)
+    rate = jnp.where(valid_PxG, rewards_PxG, 0.0).sum(axis=1) / k
+    all_correct = jnp.all((rewards_PxG >= 1.0) | ~valid_PxG, axis=1)
+    zero_var = jnp.all((rewards_PxG == rewards_PxG[:, :1]) | ~valid_PxG, axis=1)
   old = sel.pass_rate[prompt_ids_P]
   first = sel.visits[prompt_ids_P] == 0
   new_rate = jnp.where(first, rate, (1 - cfg.ema) * old + cfg.ema * rate)
