@@ -21,6 +21,8 @@ digits). Accuracy is greedy, held-out, on the band.
          rl.group_size - first more for --adaptive_extend groups (default half), the most
          uncertain first: 3/4 of B0's sequences per step at the defaults (G0 4, G 8)
   U      as V, unsolved groups first (AR3PO)
+  R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each
+         batch (e.g. R+N2): the update-to-data ratio
 
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
@@ -71,6 +73,10 @@ _ADAPT_FIRST = flags.DEFINE_integer("adaptive_first", 4, "V / U arms: round-1 sa
                                     "prompt (G0; extended groups get rl.group_size).")
 _ADAPT_EXTEND = flags.DEFINE_integer("adaptive_extend", 0, "V / U arms: groups extended per "
                                      "step (0: half of prompts_per_step).")
+_LR = flags.DEFINE_float("lr", 0.0, "optim.lr of every arm (0: the config's): the tuning grid.")
+_GROUP = flags.DEFINE_integer("group_size", 0, "rl.group_size of every arm (0: the config's).")
+_TARGET = flags.DEFINE_float("target", 0.0, "Fixed target band accuracy (0: from a pilot B0 "
+                             "run); a tuning grid fixes it once for all its cells.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,8 +88,13 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
   if "S" in arm.split("+"):
     o["selection.mode"] = select_mode
-  if "R" in arm.split("+"):
-    o.update({"replay.enabled": True, "replay.num_samples": _REPLAY_SAMPLES.value,
+  toks = arm.split("+")
+  # R<k>: replay with k replayed rows per step; N<k>: k optimizer passes over each batch
+  # (the update-to-data knobs).
+  rows = [int(t[1:]) for t in toks if t[:1] == "R" and t[1:].isdigit()]
+  if "R" in toks or rows:
+    o.update({"replay.enabled": True,
+              "replay.num_samples": rows[0] if rows else _REPLAY_SAMPLES.value,
               "replay.capacity": 1024, "replay.max_staleness": _REPLAY_STALENESS.value,
               "replay.max_reuse": 2, "replay.priority": _REPLAY_PRIORITY.value,
               "rl.is_mode": _IS_MODE.value, "rl.is_cap": _IS_CAP.value,
@@ -102,6 +113,9 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
                 "adaptive.extend_groups": (_ADAPT_EXTEND.value or
                                            max(1, prompts_per_step() // 2)),
                 "adaptive.priority": priority})
+  for t in toks:
+    if t[:1] == "N" and t[1:].isdigit():
+      o["rl.num_updates"] = int(t[1:])
   if "O" in arm.split("+"):
     o["pipeline.mode"] = "overlap"
   if "A" in arm.split("+"):  # the clip around the behaviour policy (as the R arms use)
@@ -122,6 +136,10 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
             "task.data_dir": data_dir}
   if _PROMPTS.value:
     common["rl.prompts_per_step"] = _PROMPTS.value
+  if _LR.value:
+    common["optim.lr"] = _LR.value
+  if _GROUP.value:
+    common["rl.group_size"] = _GROUP.value
   if _TASK.value == "reasoning":
     base = rlx.load_config(os.path.join(HERE, "reasoning.py"))
     # 400 held-out band problems as on arith; plain GRPO has no length reward.
@@ -222,14 +240,18 @@ def main(_):
     experiment.setup(configs.resolve(make_config(1, 1, 0, "", data_dir, {})),
                      os.path.dirname(base_dir), log=lambda s: None)
 
-  print(f"[efficiency] pilot B0 (seed 100), {steps} steps", flush=True)
-  pilot = run_one(make_config(steps, eval_every, 100, base_dir, data_dir, {}),
-                  os.path.join(root, "pilot_B0"))
-  base_acc, pilot_final = pilot["curve"][0][2], pilot["curve"][-1][2]
-  late = [acc for step, _, acc in pilot["curve"] if step >= 2 * steps / 3]
-  target = math.floor(100 * (float(np.mean(late)) - 0.02)) / 100
-  print(f"[efficiency] base band accuracy {base_acc:.3f}; pilot B0 final {pilot_final:.3f}; "
-        f"target fixed at {target:.2f}", flush=True)
+  if _TARGET.value:
+    target, base_acc, pilot_final = _TARGET.value, float("nan"), float("nan")
+    print(f"[efficiency] target given: {target:.2f}", flush=True)
+  else:
+    print(f"[efficiency] pilot B0 (seed 100), {steps} steps", flush=True)
+    pilot = run_one(make_config(steps, eval_every, 100, base_dir, data_dir, {}),
+                    os.path.join(root, "pilot_B0"))
+    base_acc, pilot_final = pilot["curve"][0][2], pilot["curve"][-1][2]
+    late = [acc for step, _, acc in pilot["curve"] if step >= 2 * steps / 3]
+    target = math.floor(100 * (float(np.mean(late)) - 0.02)) / 100
+    print(f"[efficiency] base band accuracy {base_acc:.3f}; pilot B0 final {pilot_final:.3f}; "
+          f"target fixed at {target:.2f}", flush=True)
 
   results = {}
   for arm in arms:

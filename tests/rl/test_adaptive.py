@@ -254,3 +254,26 @@ def test_a_good_adaptive_config_resolves():
   spec = configs.resolve(config)
   assert spec.adaptive == adaptive.AdaptiveConfig(first=4, extend_groups=2)
   assert spec.adaptive.sequences(8, 8) == 8 * 4 + 2 * 4
+
+
+def test_adaptive_steps_shard_like_one_device():
+  """Both rounds and the unequal-group scoring on a 4 x 2 mesh equal one device."""
+  def run(mesh):
+    g, params, cfg = _tiny(prompts_per_step=8, group_size=4,
+                           adaptive=adaptive.AdaptiveConfig(first=2, extend_groups=4))
+    tx = train.make_optimizer(1e-2, 10)
+    state = train.init_state(params, tx, 0, mesh, num_prompts=24)
+    fns = train.make_step_fns(g, cfg, tx, mesh, jax.eval_shape(lambda: state))
+    pool = jax.device_put(make_pool(), fns.pool_sharding)
+    hist = []
+    for _ in range(2):
+      state, m = fns.train_step(state, pool)
+      hist.append(jax.device_get(m))
+    return state, hist
+  one, h1 = run(shd.make_mesh(1, 1, devices=jax.devices()[:1]))
+  eight, h8 = run(shd.make_mesh(4, 2))
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(eight.params)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+  for m1, m8 in zip(h1, h8):
+    assert m1["ledger/tokens_generated"] == m8["ledger/tokens_generated"]
+    assert m1["ledger/sequences"] == 8 * 2 + 4 * 2
