@@ -6,6 +6,8 @@
         rollouts = sampler(params, prompts[ids] x G)          # paged (default) or dense;
                                                               # tokens + behaviour logp mu
         rewards  = task verifier (jnp)                        # or host Python between halves
+                   (adaptive budgets, rlx.rl.adaptive: G0 per prompt, the verifier, then
+                    G - G0 more for the chosen groups; the rest stay unsampled rows)
       score:
         rewards  = + DAPO overlong shaping, + Kimi k1.5 length reward (optional)
         selector = selection.update(selector, ids, rewards)
