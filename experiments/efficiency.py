@@ -55,7 +55,7 @@ _STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0: arith 80 quick, 
                               "reasoning 60 quick, 100 full).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Steps between evals (0: 5).")
 _SELECT = flags.DEFINE_string("select_mode", "band", "Selection mode of the S arms.")
-_ARMS = flags.DEFINE_list("arms", [], "Arms to run (empty: B0 B1 S R S+R S+R+L, and K "
+_ARMS = flags.DEFINE_list("arms", [], "Arms to run (empty: B0 B1 S R S+R S+R+L V, and K "
                           "for --task=reasoning).")
 _BASE_DIR = flags.DEFINE_string("base_dir", "", "A warm-start dir to reuse (else made).")
 _REPLAY_PRIORITY = flags.DEFINE_string("replay_priority", "uniform", "R arms: priority.")
@@ -226,7 +226,8 @@ def main(_):
   quick = _QUICK.value
   reasoning = _TASK.value == "reasoning"
   steps = _STEPS.value or ((60 if quick else 100) if reasoning else (80 if quick else 200))
-  arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L"] + (["K"] if reasoning else []))
+  arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L", "V"] +
+                         (["K"] if reasoning else []))
   eval_every = _EVAL_EVERY.value or 5
   root = _ROOT.value
   os.makedirs(root, exist_ok=True)
