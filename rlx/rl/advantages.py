@@ -40,15 +40,18 @@ def group_advantages(rewards_N, group_size: int, mode: str = "grpo", eps: float 
   # Exact equality, not |r - mean| < tol: the f32 mean of equal non-dyadic rewards (0.1, 2.2)
   # is off by an ulp, and grpo would divide that rounding error by a noise-sized std.
   zero_var = jnp.all(r == r[:, :1], axis=1)
-  if mode == "grpo":
-    std = jnp.sqrt(jnp.sum(centered ** 2, axis=1, keepdims=True) / (group_size - 1))
-    adv = centered / (std + eps)
-  elif mode == "dr_grpo":
-    adv = centered
-  else:
-    adv = centered * (group_size / (group_size - 1))
-  adv = jnp.where(zero_var[:, None], 0.0, adv)
+  adv = jnp.where(zero_var[:, None], 0.0, _scaled(centered, group_size, mode, eps))
   return adv.reshape(-1), zero_var
+
+
+def _scaled(centered, k, mode: str, eps: float):
+  """The mode's advantage from rewards centred on their group mean (k: the group's size)."""
+  if mode == "grpo":
+    std = jnp.sqrt(jnp.sum(centered ** 2, axis=1, keepdims=True) / (k - 1))
+    return centered / (std + eps)
+  if mode == "dr_grpo":
+    return centered
+  return centered * (k / (k - 1))
 
 
 def _unequal_group_advantages(rewards_N, valid_N, group_size: int, mode: str, eps: float):
@@ -58,12 +61,5 @@ def _unequal_group_advantages(rewards_N, valid_N, group_size: int, mode: str, ep
   mean = r.sum(axis=1, keepdims=True) / k
   centered = jnp.where(v, r - mean, 0.0)
   zero_var = jnp.all((r == r[:, :1]) | ~v, axis=1)
-  if mode == "grpo":
-    std = jnp.sqrt(jnp.sum(centered ** 2, axis=1, keepdims=True) / (k - 1.0))
-    adv = centered / (std + eps)
-  elif mode == "dr_grpo":
-    adv = centered
-  else:
-    adv = centered * (k / (k - 1.0))
-  adv = jnp.where(zero_var[:, None] | ~v, 0.0, adv)
+  adv = jnp.where(zero_var[:, None] | ~v, 0.0, _scaled(centered, k, mode, eps))
   return adv.reshape(-1), zero_var
