@@ -94,7 +94,10 @@ def priority(rewards_NxG0, mode: str):
 def choose_extended(rewards_NxG0, cfg: AdaptiveConfig, key):
   """Indices i32[n2] of the groups extended in round 2 (highest priority, random ties)."""
   pri = priority(rewards_NxG0, cfg.priority)
-  noise = 1e-3 * jax.random.uniform(key, pri.shape)  # < every gap between distinct priorities
+  # Distinct p (1 - p) = a (m - a) / m^2 (m = G0 + 2, a integer) differ by >= 1 / m^2, so
+  # noise below half of that only breaks ties.
+  m = rewards_NxG0.shape[1] + 2
+  noise = (0.5 / m ** 2) * jax.random.uniform(key, pri.shape)
   return jax.lax.top_k(pri + noise, cfg.extend_groups)[1].astype(jnp.int32)
 
 

@@ -277,3 +277,14 @@ def test_adaptive_steps_shard_like_one_device():
   for m1, m8 in zip(h1, h8):
     assert m1["ledger/tokens_generated"] == m8["ledger/tokens_generated"]
     assert m1["ledger/sequences"] == 8 * 2 + 4 * 2
+
+
+def test_tie_breaking_never_reorders_distinct_priorities():
+  g0 = 32  # adjacent p (1 - p) values near p = 1/2 differ by 1 / 34^2 < 1e-3
+  solved = jnp.asarray([16, 15, 17, 14, 0, 32])
+  r = (jnp.arange(g0)[None, :] < solved[:, None]).astype(jnp.float32)
+  cfg = adaptive.AdaptiveConfig(first=g0, extend_groups=1)
+  keys = jax.random.split(jax.random.key(0), 500)
+  ext = jax.vmap(lambda k: adaptive.choose_extended(r, cfg, k))(keys)
+  # 16 of 32 right is the most uncertain whatever the noise (1e-3 noise reorders ~1.6% of draws)
+  assert (np.asarray(ext[:, 0]) == 0).all()
