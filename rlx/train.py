@@ -275,7 +275,6 @@ def _generate_adaptive(state: TrainState, pool: PromptPool, ids, key, *, graphde
   rewards f32[n G], valid bool[n G], stats)."""
   ac = cfg.adaptive
   n, g, g0 = cfg.prompts_per_step, cfg.group_size, ac.first
-  g2, n2 = g - g0, ac.extend_groups
   k_groups, k_ext = jax.random.split(key)
   group_keys = jax.random.split(k_groups, n)
   params = policy_params(state, cfg)
