@@ -84,11 +84,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def arm_overrides(arm: str, select_mode: str) -> dict:
   o = {}
+  toks = arm.split("+")
   if arm == "B1":
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
-  if "S" in arm.split("+"):
+  if "S" in toks:
     o["selection.mode"] = select_mode
-  toks = arm.split("+")
   # R<k>: replay with k replayed rows per step; N<k>: k optimizer passes over each batch
   # (the update-to-data knobs).
   rows = [int(t[1:]) for t in toks if t[:1] == "R" and t[1:].isdigit()]
@@ -99,32 +99,28 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
               "replay.max_reuse": 2, "replay.priority": _REPLAY_PRIORITY.value,
               "rl.is_mode": _IS_MODE.value, "rl.is_cap": _IS_CAP.value,
               "rl.anchor": _ANCHOR.value})
-  if "L" in arm.split("+"):
+  if "L" in toks:
     o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
     if _TASK.value == "reasoning":  # DAPO's soft buffer, scaled to 224 new tokens
       o["length.overlong_buffer"] = 32
-  if "K" in arm.split("+"):
+  if "K" in toks:
     o["length.length_reward"] = 0.5
   # Adaptive rollout budgets (rlx.rl.adaptive): V extends the most uncertain groups, U the
   # unsolved ones first (AR3PO).
+  # adaptive.extend_groups 0 here: half the config's prompts per step (`make_config`).
   for letter, priority in (("V", "uncertain"), ("U", "unsolved")):
-    if letter in arm.split("+"):
+    if letter in toks:
       o.update({"adaptive.first": _ADAPT_FIRST.value,
-                "adaptive.extend_groups": (_ADAPT_EXTEND.value or
-                                           max(1, prompts_per_step() // 2)),
+                "adaptive.extend_groups": _ADAPT_EXTEND.value,
                 "adaptive.priority": priority})
   for t in toks:
     if t[:1] == "N" and t[1:].isdigit():
       o["rl.num_updates"] = int(t[1:])
-  if "O" in arm.split("+"):
+  if "O" in toks:
     o["pipeline.mode"] = "overlap"
-  if "A" in arm.split("+"):  # the clip around the behaviour policy (as the R arms use)
+  if "A" in toks:  # the clip around the behaviour policy (as the R arms use)
     o["rl.anchor"] = "behaviour"
   return o
-
-
-def prompts_per_step() -> int:
-  return _PROMPTS.value or (8 if _TASK.value == "reasoning" else 16)
 
 
 def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir: str,
@@ -147,7 +143,10 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
   else:
     base = rlx.load_config(os.path.join(HERE, "arith.py"))
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
-  return configs.with_overrides(base, {**common, **overrides})
+  config = configs.with_overrides(base, {**common, **overrides})
+  if config.adaptive.first and not config.adaptive.extend_groups:
+    config.adaptive.extend_groups = max(1, config.rl.prompts_per_step // 2)
+  return config
 
 
 def run_one(config, workdir: str) -> dict:

@@ -310,12 +310,9 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
   adaptive = adaptive_config(config)
   if adaptive is not None:
     try:
-      adaptive.check(rl.prompts_per_step, rl.group_size)
+      adaptive.check(rl.prompts_per_step, rl.group_size, selection.dynamic_filter)
     except ValueError as e:
       raise ConfigError(f"config.{e}") from None
-    _need(not selection.dynamic_filter,
-          "config.adaptive.first > 0 with config.selection.dynamic_filter=True: both decide "
-          "which groups get samples; use one of them.")
     _need(not ("pipeline" in config and config.pipeline.mode == "overlap"),
           "config.adaptive.first > 0 with config.pipeline.mode='overlap': adaptive rollout "
           "budgets run in the sync pipeline only.")

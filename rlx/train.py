@@ -129,10 +129,8 @@ class StepConfig:
 
   def __post_init__(self):
     if self.adaptive is not None:
-      self.adaptive.check(self.prompts_per_step, self.group_size)
-      if self.selection.dynamic_filter:
-        raise ValueError("adaptive rollout budgets with selection.dynamic_filter: both "
-                         "decide which groups to spend samples on; use one of them.")
+      self.adaptive.check(self.prompts_per_step, self.group_size,
+                          self.selection.dynamic_filter)
 
   @property
   def batch_size(self) -> int:

@@ -14,7 +14,8 @@ Which groups are extended (`priority`), from the round-1 rewards s/G0 of each gr
   unsolved   groups with no correct sample first (AR3PO's adaptive rollout, arXiv
              2509.25808: more responses only for the prompts that have none right), then
              mixed ones by p (1 - p); all-correct groups last.
-Ties are broken at random (Gumbel noise from the step's key).
+Ties are broken at random (uniform noise from the step's key, below half the smallest gap
+between distinct priorities, so it never reorders them).
 
 Layout: the batch keeps n x G rows, group-major as everywhere in rlx; the G2 trailing rows of
 a group that was not extended are *unsampled* (valid = False: no tokens, reward 0, advantage
@@ -56,7 +57,12 @@ class AdaptiveConfig:
     if self.extend_groups < 1:
       raise ValueError(f"adaptive.extend_groups={self.extend_groups}; expected >= 1.")
 
-  def check(self, prompts_per_step: int, group_size: int) -> None:
+  def check(self, prompts_per_step: int, group_size: int, dynamic_filter: bool = False
+            ) -> None:
+    """The checks that need the rest of the step's config."""
+    if dynamic_filter:
+      raise ValueError("adaptive.first > 0 with selection.dynamic_filter=True: both decide "
+                       "which groups get samples; use one of them.")
     if not self.first < group_size:
       raise ValueError(f"adaptive.first={self.first} with rl.group_size={group_size}: an "
                        f"extended group has rl.group_size members, so first must be smaller.")
