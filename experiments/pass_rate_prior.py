@@ -17,6 +17,11 @@ estimates, on prompts the estimators never saw:
        bucket    the fitted half's mean per difficulty bucket (the selector's prior)
        features  a binomial logistic regression on the prefill features alone
        bucket+features  the same with the bucket one-hot
+       probe k + bucket  k samples of the prompt itself (its first k), shrunk towards the
+                 bucket's rate with 2 pseudo-samples: what a first sampling round
+                 (rlx.rl.adaptive) knows; not free, k samples are generated
+     and, for selection only, the bucket's spread-aware score: its prompts' mean mixed-group
+     chance rather than the chance at its mean pass rate.
   4. Scores on the held-out half: mean squared error against p^ with the part of it that the
      finite group explains (E[p^(1-p^)]/(G-1), the binomial noise no estimator can remove)
      reported next to it, and R^2 = 1 - MSE / Var(p^); and what selection would get: choosing
@@ -31,7 +36,8 @@ estimates, on prompts the estimators never saw:
       --set=warm_start.dir=/tmp/eff_reason/base_run/base --set=task.data_dir=/tmp/eff_reason/data \
       --prompts=256
 
-Writes `pass_rate_prior.json` and `pass_rate_prior.md` to the workdir.
+Writes `pass_rate_prior.json`, `pass_rate_prior.md` and the samples (`pass_rate_prior.npz`,
+for `--raw`) to the workdir.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ _STEP = flags.DEFINE_integer("step", -1, "Checkpoint of --from_run to sample fro
 _FROM = flags.DEFINE_string("from_run", "", "A run's workdir whose checkpoint --step is read "
                             "(its config must match the task's model).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the rollouts and the splits.")
+_RAW = flags.DEFINE_string("raw", "", "Score the samples saved by an earlier run "
+                           "(WORKDIR/pass_rate_prior.npz) instead of sampling again.")
 _OVERRIDES = flags.DEFINE_multi_string("set", [], "Extra config overrides key=value "
                                        "(python literal values).")
 
@@ -197,7 +205,7 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
   probes = [f"probe {k} + bucket" for k in (1, 2, 4)]
   names = ["flat", "global", "bucket", "features", "bucket+features"] + probes
   mse = {m: [] for m in names}
-  chosen = {m: [] for m in names + ["random", "oracle"]}
+  chosen = {m: [] for m in names + ["bucket, spread-aware", "random", "oracle"]}
   var, noise = [], []
   for _ in range(splits):
     perm = rng.permutation(n_prompts)
@@ -211,6 +219,12 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
         d["n"][fit][d["bucket"][fit] == b].sum(), 1) for b in buckets}
     est["bucket"] = np.array([rates[b] if (d["bucket"][fit] == b).any() else glob
                               for b in d["bucket"][test]])
+    # Spread-aware bucket score for selection: the bucket's mean mixed-group chance over its
+    # fitted prompts, E[1 - p^g - (1-p)^g], rather than that chance at the bucket's mean p
+    # (two buckets with the same mean differ when one's prompts sit nearer 0 and 1).
+    mixed_rate = {b: mixed(phat[fit][d["bucket"][fit] == b], g).mean()
+                  if (d["bucket"][fit] == b).any() else mixed(glob, g) for b in buckets}
+    spread_score = np.array([mixed_rate[b] for b in d["bucket"][test]])
     for name, wb in (("features", False), ("bucket+features", True)):
       xf, mu, sd = design(d, fit, buckets, wb, True)
       w = fit_logistic(xf, d["k"][fit], d["n"][fit])
@@ -225,6 +239,8 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
       # Ties (flat, global, bucket) broken at random.
       order = np.lexsort((rng.random(len(test)), -mixed(est[m], g)))
       chosen[m].append(truth[order[:keep]].mean())
+    order = np.lexsort((rng.random(len(test)), -spread_score))
+    chosen["bucket, spread-aware"].append(truth[order[:keep]].mean())
     chosen["random"].append(truth.mean())
     chosen["oracle"].append(np.sort(truth)[::-1][:keep].mean())
   return {"prompts": n_prompts, "samples_per_prompt": float(d["n"].mean()),
@@ -254,7 +270,7 @@ def report(r, title):
   for m, (mu, sd) in r["mse"].items():
     c, cs = r["chosen"][m]
     lines.append(f"| {m} | {mu:.4f} +- {sd:.4f} | {1 - mu / v:.3f} | {c:.3f} +- {cs:.3f} |")
-  for m in ("random", "oracle"):
+  for m in ("bucket, spread-aware", "random", "oracle"):
     c, cs = r["chosen"][m]
     lines.append(f"| {m} choice | | | {c:.3f} +- {cs:.3f} |")
   return "\n".join(lines)
@@ -262,9 +278,12 @@ def report(r, title):
 
 def main(argv):
   del argv
-  config = _config()
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  data = collect(config, _WORKDIR.value)
+  if _RAW.value:
+    data = dict(np.load(_RAW.value))
+  else:
+    data = collect(_config(), _WORKDIR.value)
+    np.savez(os.path.join(_WORKDIR.value, "pass_rate_prior.npz"), **data)
   r = evaluate(data, np.random.default_rng(_SEED.value), _SPLITS.value, _TRAIN_G.value,
                _KEEP.value)
   when = ("base model" if _STEP.value < 0 else

@@ -78,3 +78,19 @@ def test_scores_when_the_bucket_is_the_whole_story():
   # Selection by the bucket picks the p = 0.5 prompts: as good as the oracle.
   assert chosen["bucket"] > chosen["random"] + 0.3
   assert abs(chosen["bucket"] - chosen["oracle"]) < 0.05
+
+
+def test_the_spread_aware_bucket_score_sees_a_buckets_spread():
+  rng = np.random.default_rng(4)
+  d = _data(rng, 1200, [0.35, 0.02], True)
+  # Bucket 1: half its prompts at 0.02, half at 0.98: mean 0.5, nearer 0.5 than bucket 0's
+  # 0.35, but its groups are almost never mixed.
+  ones = np.flatnonzero(d["bucket"] == 1)[::2]
+  r = d["first"].copy()
+  r[ones] = rng.random((len(ones), 16)) < 0.98
+  d.update(first=r, k=r.sum(1))
+  out = prior.evaluate(d, np.random.default_rng(5), splits=5, g=8, keep_frac=0.25)
+  chosen = {m: v[0] for m, v in out["chosen"].items()}
+  # Spread-aware picks bucket 0 (the oracle also picks within it: the highest p^ there).
+  assert chosen["bucket, spread-aware"] > chosen["oracle"] - 0.1
+  assert chosen["bucket"] < 0.3  # the mean alone prefers bucket 1
