@@ -10,6 +10,8 @@ digits). Accuracy is greedy, held-out, on the band.
   B0     plain GRPO: uniform prompts, fresh rollouts only
   B1     B0 + DAPO dynamic filtering (2x oversampling, zero-variance groups dropped)
   S      pass-rate selection (--select_mode, default band)
+  Q      band selection scoring unvisited prompts by their bucket's E[p(1-p)] instead of
+         p(1-p) at the bucket's mean (selection.bucket_score=spread; pass_rate_prior.py)
   R      replay ring (decoupled-PPO correction)
   S+R    both
   S+R+L  both + DAPO overlong shaping and filtering
@@ -89,6 +91,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
   if "S" in toks:
     o["selection.mode"] = select_mode
+  if "Q" in toks:  # band selection, unvisited prompts scored by their bucket's E[p(1-p)]
+    o.update({"selection.mode": "band", "selection.bucket_score": "spread"})
   # R<k>: replay with k replayed rows per step; N<k>: k optimizer passes over each batch
   # (the update-to-data knobs).
   rows = [int(t[1:]) for t in toks if t[:1] == "R" and t[1:].isdigit()]

@@ -728,6 +728,9 @@ def defaults() -> mlc.ConfigDict:
   c.selection.skip_keep_base = 0.25
   c.selection.dynamic_filter = False  # DAPO dynamic sampling
   c.selection.oversample = 2
+  # band mode, unvisited prompts: "mean" (4 p(1-p) at the bucket's mean pass rate) or
+  # "spread" (4 E[p(1-p)] over the bucket's groups; see rlx.rl.selection).
+  c.selection.bucket_score = "mean"
 
   c.replay = mlc.ConfigDict()
   c.replay.enabled = False

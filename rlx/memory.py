@@ -394,7 +394,8 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
     head_act = lc.rank * c if "lm_head" in targets else 0
   n_groups = int(num_groups) if num_groups else max(len(spec.task.levels), 1)
   sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
-      lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups))))
+      lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups,
+                                           spread=spec.selection.bucket_score == "spread"))))
   add("selector", sel_bytes if n_prompts else 0,
       f"{n_prompts} prompts x (5 x 4B + 1B) + {n_groups} buckets x 4B, replicated", "state")
   add("prompt pool", n_prompts * (pw + t_new + 3) * 4,

@@ -756,6 +756,7 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
                replay: replay_lib.ReplayConfig | None = None,
                prompt_width: int = 0, max_new_tokens: int = 0,
                lora: lora_lib.LoRAConfig | None = None,
+               selector_spread: bool = False,
                rules=shd.DEFAULT_RULES) -> TrainState:
   """Places params on the mesh and builds the optimizer state with matching shardings.
 
@@ -765,6 +766,7 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
 
   num_prompts: size of the prompt pool, for the pass-rate selector (None: no selector).
   prompt_groups: i32[num_prompts] difficulty bucket (0..K-1) of each prompt (None: one).
+  selector_spread: the selector keeps each bucket's E[p(1-p)] (selection.bucket_score="spread").
   replay: the ring's config (None: no ring); prompt_width / max_new_tokens size its rows.
   """
   def make(params):
@@ -779,7 +781,8 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
         ref_params=params if with_ref and lora is None else None, base=base,
         selector=None if num_prompts is None else selection.SelectorState.init(
             num_prompts, prompt_groups,
-            1 if prompt_groups is None else int(np.max(prompt_groups)) + 1),
+            1 if prompt_groups is None else int(np.max(prompt_groups)) + 1,
+            spread=selector_spread),
         replay=None if replay is None else replay_lib.ReplayState.init(
             replay.capacity, prompt_width, max_new_tokens))
   abstract = jax.eval_shape(make, params)

@@ -170,7 +170,8 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
                            prompt_groups=np.unique(np.asarray(exp.train_pool.difficulty),
                                                    return_inverse=True)[1],
                            replay=cfg.replay, prompt_width=exp.train_pool.max_prompt_len,
-                           max_new_tokens=cfg.sampling.max_new_tokens, lora=cfg.lora)
+                           max_new_tokens=cfg.sampling.max_new_tokens, lora=cfg.lora,
+                           selector_spread=cfg.selection.bucket_score == "spread")
   if cfg.lora is not None:
     n = lora_lib.num_params(state.params)
     log(f"[rlx] LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "

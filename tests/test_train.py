@@ -142,7 +142,8 @@ def _steps_with(mesh, n_steps, *, selector, **cfg_kw):
   tx = train.make_optimizer(1e-2, 10)
   pool = make_pool(40)
   state = train.init_state(params, tx, 0, mesh, num_prompts=40 if selector else None,
-                           replay=cfg.replay, prompt_width=8, max_new_tokens=5)
+                           replay=cfg.replay, prompt_width=8, max_new_tokens=5,
+                           selector_spread=cfg.selection.bucket_score == "spread")
   fns = train.make_step_fns(g, cfg, tx, mesh, jax.eval_shape(lambda: state))
   pool = jax.device_put(pool, fns.pool_sharding)
   hist = []
@@ -166,7 +167,7 @@ def test_replay_selection_and_length_control_shard_like_one_device():
   from rlx.rl.length import LengthConfig
   from rlx.rl.replay import ReplayConfig
   from rlx.rl.selection import SelectionConfig
-  kw = dict(selection=SelectionConfig(mode="band", dynamic_filter=True),
+  kw = dict(selection=SelectionConfig(mode="band", dynamic_filter=True, bucket_score="spread"),
             replay=ReplayConfig(capacity=64, num_samples=16, max_staleness=8),
             length=LengthConfig(overlong_shaping=True, overlong_buffer=2))
   one, h1 = _steps_with(shd.make_mesh(1, 1, devices=jax.devices()[:1]), 4, selector=True, **kw)
@@ -177,3 +178,5 @@ def test_replay_selection_and_length_control_shard_like_one_device():
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
   np.testing.assert_array_equal(one.replay.prompt_ids, eight.replay.prompt_ids)
   assert eight.replay.prompt_ids.sharding.spec[0] == ("data", "fsdp")
+  np.testing.assert_allclose(one.selector.group_pq, eight.selector.group_pq, rtol=1e-6)
+  assert float(one.selector.group_pq[0]) != 0.25  # the spread score learned from the groups

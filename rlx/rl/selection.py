@@ -6,6 +6,11 @@ State (device arrays over the whole prompt pool, updated from every group's rewa
                      running pass rate: the estimate for prompts not visited yet (with
                      thousands of prompts most are never revisited within a run, and a flat
                      0.5 prior would make every unvisited prompt look maximally uncertain)
+  group_pq   f32[K] or None  (`bucket_score="spread"`) the bucket's running mean of its
+                     groups' unbiased p(1-p): band mode's score for unvisited prompts. Two
+                     buckets with the same mean pass rate differ when one's prompts sit nearer
+                     0 and 1 (fewer mixed groups): E[p(1-p)] = mean(1-mean) - Var(p) sees it,
+                     the mean alone does not (measured: experiments/pass_rate_prior.py).
   visits     i32[N]
   last_all_correct bool[N], last_visit_step i32[N]
   zero_var_streak i32[N]  consecutive visits whose group had zero reward variance
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from flax import struct
 
 MODES = ("uniform", "band", "history", "skip")
+BUCKET_SCORES = ("mean", "spread")
 HIST_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
@@ -50,6 +56,9 @@ class SelectionConfig:
   dynamic_filter: bool = False
   oversample: int = 2  # dynamic_filter: groups sampled per group kept
   group_ema: float = 0.1  # weight of a step's results in a difficulty bucket's pass rate
+  # band mode, unvisited prompts: "mean" scores 4 p(1-p) at the bucket's mean pass rate;
+  # "spread" scores 4 E[p(1-p)] over the bucket's groups (SelectorState.group_pq).
+  bucket_score: str = "mean"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -62,6 +71,9 @@ class SelectionConfig:
       raise ValueError(f"selection skip_keep_base={self.skip_keep_base}; expected (0, 1].")
     if self.oversample < 1:
       raise ValueError(f"selection oversample={self.oversample}; expected >= 1.")
+    if self.bucket_score not in BUCKET_SCORES:
+      raise ValueError(f"selection bucket_score={self.bucket_score!r}; expected one of "
+                       f"{BUCKET_SCORES}.")
 
   @property
   def groups_sampled_factor(self) -> int:
@@ -77,9 +89,12 @@ class SelectorState:
   zero_var_streak: jax.Array  # i32[N]
   prompt_group: jax.Array  # i32[N] difficulty bucket of each prompt
   group_rate: jax.Array  # f32[K] running pass rate of each bucket (prior 0.5)
+  group_pq: jax.Array | None = None  # f32[K] running E[p(1-p)] of each bucket (prior 0.25)
 
   @classmethod
-  def init(cls, num_prompts: int, prompt_group=None, num_groups: int = 1) -> "SelectorState":
+  def init(cls, num_prompts: int, prompt_group=None, num_groups: int = 1,
+           spread: bool = False) -> "SelectorState":
+    """spread: keep each bucket's E[p(1-p)] (`SelectionConfig.bucket_score="spread"`)."""
     if prompt_group is None:
       prompt_group = jnp.zeros((num_prompts,), jnp.int32)
     return cls(pass_rate=jnp.full((num_prompts,), 0.5, jnp.float32),
@@ -88,7 +103,8 @@ class SelectorState:
                last_visit_step=jnp.full((num_prompts,), -(10 ** 6), jnp.int32),
                zero_var_streak=jnp.zeros((num_prompts,), jnp.int32),
                prompt_group=jnp.asarray(prompt_group, jnp.int32),
-               group_rate=jnp.full((num_groups,), 0.5, jnp.float32))
+               group_rate=jnp.full((num_groups,), 0.5, jnp.float32),
+               group_pq=jnp.full((num_groups,), 0.25, jnp.float32) if spread else None)
 
   def estimate(self):
     """Pass-rate estimate f32[N]: a prompt's own history, else its bucket's rate."""
@@ -102,7 +118,10 @@ def weights(sel: SelectorState, cfg: SelectionConfig, step, key):
   if cfg.mode == "uniform":
     return jnp.ones((n,), jnp.float32)
   if cfg.mode == "band":
-    return cfg.floor + (1.0 - cfg.floor) * 4.0 * p * (1.0 - p)
+    pq = p * (1.0 - p)
+    if sel.group_pq is not None:
+      pq = jnp.where(sel.visits > 0, pq, sel.group_pq[sel.prompt_group])
+    return cfg.floor + (1.0 - cfg.floor) * 4.0 * pq
   if cfg.mode == "history":
     dropped = sel.last_all_correct & (step - sel.last_visit_step < cfg.history_cooldown)
     return jnp.where(dropped, 0.0, 1.0)
@@ -130,6 +149,8 @@ def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, 
   """Folds each visited prompt's group result into its history. valid_PxG: the members
   sampled (None: all; rlx.rl.adaptive's groups of unequal size, first member always)."""
   if valid_PxG is None:
+    valid_PxG = jnp.ones(rewards_PxG.shape, bool)
+    k = jnp.full((rewards_PxG.shape[0],), rewards_PxG.shape[1], jnp.float32)
     rate = rewards_PxG.mean(axis=1)
     all_correct = jnp.all(rewards_PxG >= 1.0, axis=1)
     zero_var = jnp.all(rewards_PxG == rewards_PxG[:, :1], axis=1)
@@ -143,15 +164,23 @@ def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, 
   new_rate = jnp.where(first, rate, (1 - cfg.ema) * old + cfg.ema * rate)
   streak = jnp.where(zero_var, sel.zero_var_streak[prompt_ids_P] + 1, 0)
   # Bucket rates: EMA towards this step's mean pass rate of the bucket's visited prompts.
-  k = sel.group_rate.shape[0]
+  nb = sel.group_rate.shape[0]
   grp = sel.prompt_group[prompt_ids_P]
-  count = jnp.zeros((k,), jnp.float32).at[grp].add(1.0)
-  total = jnp.zeros((k,), jnp.float32).at[grp].add(rate)
+  count = jnp.zeros((nb,), jnp.float32).at[grp].add(1.0)
+  total = jnp.zeros((nb,), jnp.float32).at[grp].add(rate)
   step_rate = total / jnp.maximum(count, 1.0)
   group_rate = jnp.where(count > 0, (1 - cfg.group_ema) * sel.group_rate +
                          cfg.group_ema * step_rate, sel.group_rate)
+  group_pq = sel.group_pq
+  if group_pq is not None:
+    # Each group's unbiased reward variance (= p(1-p) k/(k-1) for 0/1 rewards), bucket mean.
+    dev = jnp.where(valid_PxG, rewards_PxG - rate[:, None], 0.0)
+    pq = (dev * dev).sum(axis=1) / jnp.maximum(k - 1.0, 1.0)
+    step_pq = jnp.zeros((nb,), jnp.float32).at[grp].add(pq) / jnp.maximum(count, 1.0)
+    group_pq = jnp.where(count > 0, (1 - cfg.group_ema) * group_pq + cfg.group_ema * step_pq,
+                         group_pq)
   return sel.replace(
-      group_rate=group_rate,
+      group_rate=group_rate, group_pq=group_pq,
       pass_rate=sel.pass_rate.at[prompt_ids_P].set(new_rate),
       visits=sel.visits.at[prompt_ids_P].add(1),
       last_all_correct=sel.last_all_correct.at[prompt_ids_P].set(all_correct),

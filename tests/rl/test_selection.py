@@ -103,3 +103,32 @@ def test_unvisited_prompts_take_their_difficulty_buckets_rate():
   np.testing.assert_allclose(sel.estimate(), [1.0, 0.75, 0.75, 0.0, 0.25, 0.25])
   w = np.asarray(selection.weights(sel, cfg, 2, None))
   np.testing.assert_allclose(w, 4 * np.asarray(sel.estimate()) * (1 - np.asarray(sel.estimate())))
+
+
+def test_spread_bucket_score_tracks_each_buckets_mean_group_variance():
+  cfg = SelectionConfig(mode="band", floor=0.1, group_ema=0.5, bucket_score="spread")
+  sel = SelectorState.init(6, prompt_group=[0, 0, 0, 1, 1, 1], num_groups=2, spread=True)
+  np.testing.assert_allclose(sel.group_pq, [0.25, 0.25])
+  # Bucket 0: groups [1,0,1,1] (unbiased variance 0.25) and [1,1,1,1] (0): mean 0.125.
+  # Bucket 1: [0,0,1,1] (variance 1/3).
+  sel = selection.update(sel, cfg, jnp.asarray([0, 1, 3]),
+                         jnp.asarray([[1., 0, 1, 1], [1., 1, 1, 1], [0., 0, 1, 1]]), step=1)
+  np.testing.assert_allclose(sel.group_pq, [0.5 * 0.25 + 0.5 * 0.125,
+                                            0.5 * 0.25 + 0.5 / 3], rtol=1e-6)
+  np.testing.assert_allclose(sel.group_rate, [0.5 * 0.5 + 0.5 * 0.875, 0.5], rtol=1e-6)
+  w = np.asarray(selection.weights(sel, cfg, 2, None))
+  p = np.asarray(sel.estimate())
+  own = 0.1 + 0.9 * 4 * p * (1 - p)  # visited prompts: their own history, as in "mean"
+  bucket = 0.1 + 0.9 * 4 * np.asarray(sel.group_pq)[[0, 0, 0, 1, 1, 1]]
+  np.testing.assert_allclose(w, np.where([1, 1, 0, 1, 0, 0], own, bucket), rtol=1e-6)
+  # Groups of unequal size (adaptive budgets): the variance over the sampled members only.
+  sel2 = SelectorState.init(6, prompt_group=[0, 0, 0, 1, 1, 1], num_groups=2, spread=True)
+  sel2 = selection.update(sel2, cfg, jnp.asarray([3]), jnp.asarray([[0., 1, 0, 0]]), step=1,
+                          valid_PxG=jnp.asarray([[True, True, False, False]]))
+  np.testing.assert_allclose(sel2.group_pq, [0.25, 0.5 * 0.25 + 0.5 * 0.5], rtol=1e-6)
+
+
+def test_mean_bucket_score_keeps_no_spread_state():
+  assert SelectorState.init(4, num_groups=2).group_pq is None
+  with pytest.raises(ValueError, match="bucket_score='median'"):
+    SelectionConfig(bucket_score="median")
