@@ -51,24 +51,30 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-_TASK = flags.DEFINE_enum("task", "arith", ["arith", "reasoning"], "Task family.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_prior", "Workdir (base model / data).")
-_PROMPTS = flags.DEFINE_integer("prompts", 512, "Distinct prompts to sample (at least).")
-_GROUP = flags.DEFINE_integer("group_size", 16, "Samples per prompt for the ground truth.")
-_PER_STEP = flags.DEFINE_integer("prompts_per_step", 32, "Prompts per rollout call.")
+# This script's own flag set (parsed in __main__), so that importing it next to
+# efficiency.py (same flag names, e.g. in one test process) defines nothing twice.
+_FLAGS = flags.FlagValues()
+_F = {"flag_values": _FLAGS}
+_TASK = flags.DEFINE_enum("task", "arith", ["arith", "reasoning"], "Task family.", **_F)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_prior", "Workdir (base model / data).",
+                               **_F)
+_PROMPTS = flags.DEFINE_integer("prompts", 512, "Distinct prompts to sample (at least).", **_F)
+_GROUP = flags.DEFINE_integer("group_size", 16, "Samples per prompt for the ground truth.",
+                              **_F)
+_PER_STEP = flags.DEFINE_integer("prompts_per_step", 32, "Prompts per rollout call.", **_F)
 _TRAIN_G = flags.DEFINE_integer("train_group_size", 8, "Group size whose mixed-group chance "
-                                "the selection score uses.")
-_KEEP = flags.DEFINE_float("keep", 0.25, "Fraction of held-out prompts selection keeps.")
-_SPLITS = flags.DEFINE_integer("splits", 50, "Random fit / held-out splits.")
+                                "the selection score uses.", **_F)
+_KEEP = flags.DEFINE_float("keep", 0.25, "Fraction of held-out prompts selection keeps.", **_F)
+_SPLITS = flags.DEFINE_integer("splits", 50, "Random fit / held-out splits.", **_F)
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint of --from_run to sample from (-1: the "
-                             "base model).")
+                             "base model).", **_F)
 _FROM = flags.DEFINE_string("from_run", "", "A run's workdir whose checkpoint --step is read "
-                            "(its config must match the task's model).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the rollouts and the splits.")
+                            "(its config must match the task's model).", **_F)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the rollouts and the splits.", **_F)
 _RAW = flags.DEFINE_string("raw", "", "Score the samples saved by an earlier run "
-                           "(WORKDIR/pass_rate_prior.npz) instead of sampling again.")
+                           "(WORKDIR/pass_rate_prior.npz) instead of sampling again.", **_F)
 _OVERRIDES = flags.DEFINE_multi_string("set", [], "Extra config overrides key=value "
-                                       "(python literal values).")
+                                       "(python literal values).", **_F)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -156,7 +162,8 @@ def collect(config, workdir):
   first = np.stack([per[i]["r"][0] for i in ids])
   return {"k": np.array([np.concatenate(per[i]["r"]).sum() for i in ids]),
           "n": np.array([sum(len(x) for x in per[i]["r"]) for i in ids], float),
-          "first": first, "bucket": np.array([per[i]["bucket"] for i in ids]), "len": lens.astype(float),
+          "first": first, "bucket": np.array([per[i]["bucket"] for i in ids]),
+          "len": lens.astype(float),
           "entropy": ent, "log_top": logtop, "nll": nll}
 
 
@@ -297,4 +304,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  import sys  # pylint: disable=g-import-not-at-top
+  if any(a in ("-h", "--help", "--helpfull") for a in sys.argv[1:]):
+    print(__doc__ + "\nFlags:\n" + _FLAGS.get_help())
+    sys.exit(0)
+  try:
+    rest = _FLAGS(sys.argv)
+  except flags.Error as e:
+    sys.exit(f"{e}; see --help.")
+  app.run(main, argv=rest)
