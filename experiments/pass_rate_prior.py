@@ -20,8 +20,9 @@ estimates, on prompts the estimators never saw:
        probe k + bucket  k samples of the prompt itself (its first k), shrunk towards the
                  bucket's rate with 2 pseudo-samples: what a first sampling round
                  (rlx.rl.adaptive) knows; not free, k samples are generated
-     and, for selection only, the bucket's spread-aware score: its prompts' mean mixed-group
-     chance rather than the chance at its mean pass rate.
+     and, for selection only, the bucket's spread-aware score: its prompts' mean unbiased
+     group variance E[p(1-p)] (what selection.bucket_score=spread tracks) rather than p(1-p)
+     at its mean pass rate.
   4. Scores on the held-out half: mean squared error against p^ with the part of it that the
      finite group explains (E[p^(1-p^)]/(G-1), the binomial noise no estimator can remove)
      reported next to it, and R^2 = 1 - MSE / Var(p^); and what selection would get: choosing
@@ -181,15 +182,16 @@ def fit_logistic(x_NxF, k_N, n_N, l2=1e-2, iters=50):
   return w
 
 
-def design(d, idx, buckets, with_bucket, with_features, mu=None, sd=None):
+def design(d, idx, buckets, with_bucket, mu=None, sd=None):
+  """Intercept, optional bucket one-hot, standardised prefill features (mu / sd: the fitted
+  half's, reused for the held-out half)."""
   cols = [np.ones(len(idx))]
   if with_bucket:
     cols += [(d["bucket"][idx] == b).astype(float) for b in buckets[1:]]
-  if with_features:
-    f = np.stack([d["entropy"][idx], d["log_top"][idx], d["nll"][idx], d["len"][idx]], 1)
-    if mu is None:
-      mu, sd = f.mean(0), f.std(0) + 1e-9
-    cols += list(((f - mu) / sd).T)
+  f = np.stack([d["entropy"][idx], d["log_top"][idx], d["nll"][idx], d["len"][idx]], 1)
+  if mu is None:
+    mu, sd = f.mean(0), f.std(0) + 1e-9
+  cols += list(((f - mu) / sd).T)
   return np.stack(cols, 1), mu, sd
 
 
@@ -226,16 +228,18 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
         d["n"][fit][d["bucket"][fit] == b].sum(), 1) for b in buckets}
     est["bucket"] = np.array([rates[b] if (d["bucket"][fit] == b).any() else glob
                               for b in d["bucket"][test]])
-    # Spread-aware bucket score for selection: the bucket's mean mixed-group chance over its
-    # fitted prompts, E[1 - p^g - (1-p)^g], rather than that chance at the bucket's mean p
-    # (two buckets with the same mean differ when one's prompts sit nearer 0 and 1).
-    mixed_rate = {b: mixed(phat[fit][d["bucket"][fit] == b], g).mean()
-                  if (d["bucket"][fit] == b).any() else mixed(glob, g) for b in buckets}
-    spread_score = np.array([mixed_rate[b] for b in d["bucket"][test]])
+    # Spread-aware bucket score for selection, what `selection.bucket_score=spread` tracks:
+    # the bucket's mean unbiased group variance over its fitted prompts, E[p(1-p)], rather
+    # than p(1-p) at the bucket's mean p (two buckets with the same mean differ when one's
+    # prompts sit nearer 0 and 1).
+    pq = phat * (1 - phat) * d["n"] / np.maximum(d["n"] - 1, 1)
+    pq_rate = {b: pq[fit][d["bucket"][fit] == b].mean()
+               if (d["bucket"][fit] == b).any() else glob * (1 - glob) for b in buckets}
+    spread_score = np.array([pq_rate[b] for b in d["bucket"][test]])
     for name, wb in (("features", False), ("bucket+features", True)):
-      xf, mu, sd = design(d, fit, buckets, wb, True)
+      xf, mu, sd = design(d, fit, buckets, wb)
       w = fit_logistic(xf, d["k"][fit], d["n"][fit])
-      xt, _, _ = design(d, test, buckets, wb, True, mu, sd)
+      xt, _, _ = design(d, test, buckets, wb, mu, sd)
       est[name] = 1 / (1 + np.exp(-(xt @ w)))
     for name, k in zip(probes, (1, 2, 4)):
       est[name] = (d["first"][test, :k].sum(1) + PSEUDO * est["bucket"]) / (k + PSEUDO)
