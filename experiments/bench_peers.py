@@ -18,8 +18,19 @@ Equal work: the tokenizer's EOS id is one past the model's vocabulary, so neithe
 emit it and every completion is exactly 128 tokens on both sides (--eos_in_vocab puts EOS
 inside, then each side stops where it samples it); generated tokens per step are reported.
 
-Steps are interleaved (rlx step, TRL step, rlx step, ...: each rlx step runs in a TRL callback
-before TRL's step starts and outside its timing), so both see the same machine load. The first
+Each trainer runs in its own worker process (a worker waits for the parent's go before each
+step and reports when it is done), as a user runs either: one framework per process.
+--schedule=turns (default) interleaves the steps (rlx, TRL, rlx, ...), so both see the same
+machine load; --schedule=blocks runs all of rlx's steps, then all of TRL's (each trainer
+alone, the other idle). --same_process runs both in this process (each rlx step in a TRL
+callback before TRL's step starts, outside its timing), the method this benchmark first used.
+The two trainers are not independent on this machine even in separate processes: XLA maps
+and unmaps its temporary buffer (~5 GB at 100M) in every update, 1.4M page faults, and what a
+fault costs depends on what the rest of the VM just did with its memory (~2.3 us each with
+rlx alone, 3.3 s of a 15 s update; ~18 us right after TRL's step freed its own). So rlx's
+update measured 15-18 s alone in a fresh process, 21-23 s in blocks and 31-38 s interleaved
+with TRL, while TRL's step changed less (50-71 s either way); the README reports all three
+schedules. The first
 --warmup steps of each (compilation, lazy init) are dropped; the table shows medians of the
 --steps that follow. rlx: generation = sampling + decode + reward, update = the jitted
 score + update half. TRL: on_step_begin -> on_step_end of a TrainerCallback; its generation
@@ -36,6 +47,7 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -295,6 +307,101 @@ def run_trl(w: Workload, model_dir: str, out_dir: str, total_steps: int, before_
   return [(t, g, n, r, load) for (t, load), (g, n), r in zip(timer.rows, gen_rows, rewards)]
 
 
+# ============================================================================= taking turns
+
+_MSG = "@@bench_peers "  # protocol lines on a worker's stdout; everything else is its log
+
+
+def _send(kind: str, payload=None) -> None:
+  print(_MSG + json.dumps([kind, payload]), flush=True)
+
+
+def _wait_go() -> None:
+  _send("ready")
+  line = sys.stdin.readline()
+  if line.strip() != "go":
+    raise SystemExit(f"bench_peers worker: expected 'go' from the parent, got {line!r}.")
+
+
+def worker(args) -> None:
+  """One trainer in this process: before each step it reports ready and waits for go; at the
+  end it sends its rows (the same tuples the one-process mode collects)."""
+  w = Workload()
+  total = args.steps + args.warmup
+  model_dir, data_dir = (os.path.join(args.workdir, d) for d in ("model", "data"))
+  if args._worker == "rlx":  # pylint: disable=protected-access
+    config = rlx_config(w, model_dir, data_dir, args._prompt_len, total, args.sampler)  # pylint: disable=protected-access
+    step = RlxStepper(config, os.path.join(args.workdir, "rlx"))
+    for _ in range(total):
+      _wait_go()
+      step()
+    rows = step.rows
+  else:
+    rows = run_trl(w, model_dir, os.path.join(args.workdir, "trl"), total, _wait_go)
+  _send("rows", [list(r) for r in rows])
+
+
+class _Worker:
+  """A worker process and its protocol: `go()` starts one step and returns when it is done."""
+
+  def __init__(self, name: str, args, root: str, prompt_len: int):
+    cmd = [sys.executable, os.path.abspath(__file__), f"--_worker={name}",
+           f"--size={args.size}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+           f"--sampler={args.sampler}", f"--workdir={root}", f"--_prompt_len={prompt_len}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    self.name, self.rows = name, None
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, bufsize=1, env=env)
+    self._next()  # ready for its first step (set-up done)
+
+  def _next(self) -> str:
+    for line in self.proc.stdout:
+      if not line.startswith(_MSG):
+        print(line, end="", flush=True)  # the worker's own log
+        continue
+      kind, payload = json.loads(line[len(_MSG):])
+      if kind == "rows":
+        self.rows = [tuple(r) for r in payload]
+      return kind
+    code = self.proc.wait()
+    raise RuntimeError(f"bench_peers: the {self.name} worker exited (code {code}) mid-run.")
+
+  def go(self) -> None:
+    self.proc.stdin.write("go\n")
+    self.proc.stdin.flush()
+    self._next()  # "ready" for the next step, or its rows after the last
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait()
+
+
+def take_turns(names, args, root: str, prompt_len: int, total: int) -> dict:
+  """Runs each trainer in its own process, one step at a time in turn; {name: rows}."""
+  workers = []
+  try:
+    for name in names:  # set up one after the other (compile and model loading not timed)
+      workers.append(_Worker(name, args, root, prompt_len))
+    if args.schedule == "turns":
+      for _ in range(total):
+        for wk in workers:
+          wk.go()
+    else:  # "blocks": every step of one trainer, then every step of the next
+      for wk in workers:
+        for _ in range(total):
+          wk.go()
+    missing = [wk.name for wk in workers if wk.rows is None or len(wk.rows) != total]
+    if missing:
+      raise RuntimeError(f"bench_peers: no rows (or not {total}) from {missing}.")
+    return {wk.name: wk.rows for wk in workers}
+  finally:
+    for wk in workers:
+      wk.close()
+
+
 # ============================================================================= report
 
 
@@ -302,7 +409,8 @@ def _median(xs) -> float:
   return statistics.median(xs) if xs else float("nan")
 
 
-def report(size: str, params: int, rlx_rows, trl_rows, warmup: int, load_span) -> str:
+def report(size: str, params: int, rlx_rows, trl_rows, warmup: int, load_span,
+           mode: str = "one process each, taking turns") -> str:
   r = rlx_rows[warmup:]
   gen, upd = [x[0] for x in r], [x[1] for x in r]
   step = [a + b for a, b in zip(gen, upd)]
@@ -327,7 +435,8 @@ def report(size: str, params: int, rlx_rows, trl_rows, warmup: int, load_span) -
     load = f"{_median([x[4] for x in r]):.1f} / -"
   row = (f"| {size} | {params / 1e6:.2f}M | {rlx_cell} | {rlx_tok:.0f} | {rlx_rate:.0f} | "
          f"{trl_cell} | {trl_tok} | {trl_rate} | {ratio} | {len(r)} | {load} |")
-  note = (f"\nMedians of {len(r)} steady steps each ({warmup} warm-up step(s) dropped); "
+  note = (f"\nMedians of {len(r)} steady steps each ({warmup} warm-up step(s) dropped; "
+          f"trainers: {mode}); "
           f"1-min load average {load_span[0]:.1f} before, {load_span[1]:.1f} after. "
           f"Ratio > 1: rlx's step is faster. Each part is its own median, so the parts need not "
           f"add up to the step.")
@@ -360,7 +469,17 @@ def main(argv=None) -> None:
                  help="EOS the model can sample (completions may stop early, unequal work).")
   p.add_argument("--workdir", default="", help="Scratch directory (default: a temp dir).")
   p.add_argument("--out", default="", help="Also write the table (markdown) here.")
+  p.add_argument("--same_process", action="store_true",
+                 help="Both trainers in this process (the first method; see the docstring).")
+  p.add_argument("--schedule", default="turns", choices=("turns", "blocks"),
+                 help="Worker processes: one step each in turn, or all of one trainer's steps "
+                      "then the other's (see the docstring).")
+  p.add_argument("--_worker", default="", choices=("", "rlx", "trl"), help=argparse.SUPPRESS)
+  p.add_argument("--_prompt_len", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args._worker:  # pylint: disable=protected-access
+    worker(args)
+    return
   peers = "" if args.rlx_only else args.peers
   if peers not in ("", "trl"):
     raise SystemExit(f"--peers={peers!r}; expected 'trl' or ''.")
@@ -389,20 +508,27 @@ def main(argv=None) -> None:
           f"{w.max_new_tokens} new tokens, EOS {'in' if args.eos_in_vocab else 'outside'} the "
           f"model's vocabulary; rlx sampler {args.sampler}; peer: {peers or 'none'}",
           flush=True)
-    config = rlx_config(w, model_dir, data_dir, prompt_len, total, args.sampler)
-    rlx_step = RlxStepper(config, os.path.join(root, "rlx"))
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     trl_rows = None
-    if peers == "trl":
-      trl_rows = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step)
+    if args.same_process:
+      config = rlx_config(w, model_dir, data_dir, prompt_len, total, args.sampler)
+      rlx_step = RlxStepper(config, os.path.join(root, "rlx"))
+      if peers == "trl":
+        trl_rows = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step)
+      else:
+        for _ in range(total):
+          rlx_step()
+      rlx_rows = rlx_step.rows
     else:
-      for _ in range(total):
-        rlx_step()
+      rows = take_turns(["rlx"] + ([peers] if peers else []), args, root, prompt_len, total)
+      rlx_rows, trl_rows = rows["rlx"], rows.get("trl")
     load_after = os.getloadavg()[0]
-    print(f"\n{_per_step(rlx_step.rows, trl_rows)}\n(wall {time.perf_counter() - t0:.0f} s)\n")
-  table = report(args.size, model_cfg.num_params(), rlx_step.rows, trl_rows, args.warmup,
-                 (load_before, load_after))
+    print(f"\n{_per_step(rlx_rows, trl_rows)}\n(wall {time.perf_counter() - t0:.0f} s)\n")
+  table = report(args.size, model_cfg.num_params(), rlx_rows, trl_rows, args.warmup,
+                 (load_before, load_after),
+                 "one process" if args.same_process else
+                 f"one process each, {'taking turns' if args.schedule == 'turns' else 'one after the other'}")
   print(table)
   if args.out:
     with open(args.out, "w") as f:

@@ -1,7 +1,9 @@
 """experiments/bench_peers.py: the shared model directory loads the same in rlx and
-transformers (ids, special tokens, weights shape), and TRL's config is one generation of
-4 prompts x G=8 per optimizer step."""
+transformers (ids, special tokens, weights shape), TRL's config is one generation of
+4 prompts x G=8 per optimizer step, and the turn-taking worker processes deliver one row per
+step (and a clear error when a worker dies)."""
 
+import argparse
 import json
 import os
 
@@ -47,3 +49,28 @@ def test_trl_config_is_one_generation_per_step(tmp_path):
       32, 1, 8)
   assert (args.beta, args.num_iterations, args.activation_checkpointing, args.bf16) == (
       0.0, 1, False, False)
+
+
+def _turn_args(**kw):
+  base = dict(size="tiny", steps=2, warmup=0, sampler="paged", schedule="turns")
+  base.update(kw)
+  return argparse.Namespace(**base)
+
+
+def test_rlx_worker_takes_turns(model_dir, tmp_path):
+  """The rlx trainer in its own process, stepped by the parent: one row per step, each a
+  full 4 x 8 x 128 generation (EOS outside the vocabulary) and a finite update time."""
+  root = str(tmp_path)
+  os.symlink(model_dir, os.path.join(root, "model"))
+  bench_peers.write_prompts(os.path.join(root, "data"))
+  tok = rlx.load_tokenizer(model_dir)
+  prompt_len = max(len(tok.encode(q, add_special_tokens=True)) for q in bench_peers.PROMPTS)
+  rows = bench_peers.take_turns(["rlx"], _turn_args(), root, prompt_len, total=2)
+  assert list(rows) == ["rlx"] and len(rows["rlx"]) == 2
+  for gen_s, upd_s, tokens, reward, _ in rows["rlx"]:
+    assert gen_s > 0 and upd_s > 0 and tokens == 4 * 8 * 128 and 0.0 <= reward <= 1.0
+
+
+def test_dead_worker_is_one_clear_error(tmp_path):
+  with pytest.raises(RuntimeError, match="the rlx worker exited"):
+    bench_peers.take_turns(["rlx"], _turn_args(size="no-such-size"), str(tmp_path), 8, 1)
