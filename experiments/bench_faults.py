@@ -34,6 +34,7 @@ def main() -> None:
   args = p.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from bench_peers import MODELS  # pylint: disable=g-import-not-at-top
+  from bench_step import gemm_peak  # pylint: disable=g-import-not-at-top
   cfg = MODELS[args.size]
   graphdef, params = transformer.init_params(cfg, 0)
   rng = np.random.default_rng(0)
@@ -60,16 +61,8 @@ def main() -> None:
     print(f"  {wall:6.2f} s wall  {faults:9d} minor faults  {sys_s:6.2f} s system  "
           f"{r1.ru_utime - r0.ru_utime:6.2f} s user"
           + (f"  ({sys_s / faults * 1e6:.1f} us system per fault)" if faults else ""))
-  a = jnp.ones((2048, 2048), jnp.float32)
-  mm = jax.jit(lambda x: x @ x)
-  jax.block_until_ready(mm(a))
-  ts = []
-  for _ in range(7):
-    t0 = time.perf_counter()
-    jax.block_until_ready(mm(a))
-    ts.append(time.perf_counter() - t0)
   print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB; "
-        f"f32 GEMM probe {2 * 2048 ** 3 / np.median(ts) / 1e9:.0f} GFLOP/s")
+        f"f32 GEMM probe (bench_step.gemm_peak) {gemm_peak() / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":
