@@ -34,6 +34,10 @@ EXTRAS = {
     # loads the LoRA adapters rlx.export --peft writes (tests/model/test_lora_export.py).
     "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9", "peft==0.21.2"],
     "peers": ["trl==1.16.0", "datasets>=3"],  # experiments/bench_peers.py: TRL's GRPOTrainer
+    # experiments/bench_peers.py --peers=tunix: Tunix's GRPOLearner. Its pins move
+    # transformers to 5.12 and safetensors to 0.7 in the same environment: install it in a
+    # venv of its own (python -m venv; pip install -e ".[parity,peers,tunix]").
+    "tunix": ["google-tunix==0.1.7"],
 }
 
 setuptools.setup(

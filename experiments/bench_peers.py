@@ -1,9 +1,23 @@
-r"""Training-step time against a peer: rlx vs TRL's `GRPOTrainer`, same workload, one run.
+r"""Training-step time against peers: rlx vs TRL's `GRPOTrainer` and Tunix's `GRPOLearner`,
+same workload, one run.
 
   python experiments/bench_peers.py --size=3m --steps=6 --out=/tmp/peers_3m.md
   python experiments/bench_peers.py --size=100m --steps=5
   python experiments/bench_peers.py --size=tiny --steps=2          # seconds: a smoke run
   python experiments/bench_peers.py --size=3m --rlx_only           # rlx alone (no torch)
+  python experiments/bench_peers.py --size=3m --peers=trl,tunix --tunix_python=/tmp/tx/bin/python
+
+Tunix (google-tunix 0.1.7) pins safetensors<0.8, which holds transformers at 5.12, older than
+TRL 1.16 needs; so it lives in a venv of its own (python -m venv /tmp/tx && /tmp/tx/bin/pip
+install -e ".[tunix]") and --tunix_python points its worker there. Its side is what a Tunix
+user writes: tunix.models.llama3 loaded from the same safetensors directory, RLCluster with the
+vanilla rollout colocated with the actor on one device (one mesh, so no weight sync and no
+async rollout), GRPOConfig(num_generations=8, num_iterations=1, beta=0, epsilon=0.2,
+epsilon_high=0.28, loss_agg_mode="token-mean"), the same optax chain (clip 1.0, AdamW without
+decay), reference model None. Its step is `_run_global_step` (rollout + reward + advantages +
+update); its generation is `_generate_and_compute_advantage`. Tunix's completion mask drops
+any sampled pad id (a handful per step here), so its token count can fall a little short of
+4096 while the compute is the same.
 
 The workload is TRL's / Tunix's GRPO smoke run: 4 prompts x G=8 samples, 128 new tokens at
 temperature 1, one optimizer step per training step (one minibatch, num_iterations=1), no KL
@@ -21,8 +35,9 @@ inside, then each side stops where it samples it); generated tokens per step are
 Each trainer runs in its own worker process (a worker waits for the parent's go before each
 step and reports when it is done), as a user runs either: one framework per process.
 --schedule=turns (default) interleaves the steps (rlx, TRL, rlx, ...), so both see the same
-machine load; --schedule=blocks runs all of rlx's steps, then all of TRL's (each trainer
-alone, the other idle). --same_process runs both in this process (each rlx step in a TRL
+machine load; --schedule=blocks runs all of rlx's steps, then all of each peer's, each
+trainer alone: its process starts for its block and has exited before the next one starts
+(an idle peer's memory would still be in the way: Tunix's process holds ~12 GB at 100M). --same_process runs both in this process (each rlx step in a TRL
 callback before TRL's step starts, outside its timing), the method this benchmark first used.
 The two trainers are not independent on this machine even in separate processes: XLA maps
 and unmaps its temporary buffer (~5 GB at 100M) in every update, 1.4M page faults, and what a
@@ -41,6 +56,7 @@ OMP_WAIT_POLICY=PASSIVE, so its idle OpenMP threads do not spin while JAX works.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import importlib.util
@@ -176,7 +192,7 @@ class Workload:
 
 
 def rlx_config(w: Workload, model_dir: str, data_dir: str, prompt_len: int, total_steps: int,
-               sampler: str):
+               sampler: str, extra: tuple[str, ...] = ()):
   """rlx's config for the workload (defaults otherwise: grpo advantages, token-mean loss)."""
   return rlx.with_overrides(rlx.default_config(), {
       "seed": w.seed, "total_steps": total_steps, "eval_every": total_steps,
@@ -192,7 +208,21 @@ def rlx_config(w: Workload, model_dir: str, data_dir: str, prompt_len: int, tota
       "optim.lr": w.lr, "optim.schedule": "constant", "optim.warmup_steps": 0,
       "optim.weight_decay": 0.0, "optim.grad_clip": w.grad_clip, "optim.b1": w.b1,
       "optim.b2": w.b2, "mesh.data": 1,
-  })
+  } | _overrides(extra))
+
+
+def _overrides(extra) -> dict:
+  """--rlx key=value pairs (values as Python literals where they parse) for rlx's config."""
+  out = {}
+  for item in extra:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise SystemExit(f"--rlx {item!r}: expected key=value, e.g. rl.update_micro_rows=8.")
+    try:
+      out[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      out[key] = value
+  return out
 
 
 class RlxStepper:
@@ -307,6 +337,115 @@ def run_trl(w: Workload, model_dir: str, out_dir: str, total_steps: int, before_
   return [(t, g, n, r, load) for (t, load), (g, n), r in zip(timer.rows, gen_rows, rewards)]
 
 
+# ============================================================================= Tunix side
+
+
+def tunix_available(python: str = "") -> bool:
+  """Whether Tunix imports here, or in the interpreter `python` (its own venv)."""
+  if not python or os.path.abspath(python) == os.path.abspath(sys.executable):  # venvs share
+    # one real interpreter: compare the paths, not what they link to
+    return importlib.util.find_spec("tunix") is not None
+  probe = subprocess.run([python, "-c", "import importlib.util as u; "
+                          "raise SystemExit(u.find_spec('tunix') is None)"],
+                         capture_output=True, check=False)
+  return probe.returncode == 0
+
+
+def run_tunix(w: Workload, model_cfg: ModelConfig, model_dir: str, prompt_len: int,
+              total_steps: int, before_step):
+  """Trains Tunix's GRPOLearner (vanilla rollout, colocated on one device) for total_steps.
+
+  The model is Tunix's own Llama 3 (tunix.models.llama3) loaded from the same safetensors
+  directory; the tokenizer is the same tokenizer.json through transformers. One global step =
+  one batch of `w.prompts` prompts x G, one mini-batch, one optimizer step; before_step() is
+  called ahead of each (untimed). Returns rows (step s, generation s, generated tokens, mean
+  reward, load) per step, as run_trl does; generation = `_generate_and_compute_advantage`
+  (rollout + reward + advantages), the rest is the update (+ weight sync if Tunix does one).
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from tunix.models.llama3 import model as llama_lib  # pylint: disable=g-import-not-at-top
+  from tunix.models.llama3 import params as llama_params  # pylint: disable=g-import-not-at-top
+  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=g-import-not-at-top
+  from tunix.rl.grpo import grpo_learner  # pylint: disable=g-import-not-at-top
+  from tunix.rl.rollout import base_rollout  # pylint: disable=g-import-not-at-top
+
+  m = model_cfg
+  if m.rope_scaling != "none" or m.qkv_bias or m.qk_norm:
+    raise ValueError(f"run_tunix: {m} is not a plain Llama (Tunix's llama3 has no rope "
+                     "scaling, qkv bias or qk norm).")
+  cfg = llama_lib.ModelConfig(
+      num_layers=m.num_layers, vocab_size=m.vocab_size, embed_dim=m.d_model,
+      hidden_dim=m.mlp_dim, num_heads=m.num_heads, head_dim=m.head_dim,
+      num_kv_heads=m.num_kv_heads, rope_theta=int(m.rope_theta), norm_eps=m.norm_eps,
+      weight_tying=m.tie_embeddings)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],  # Tunix shards
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)  # by name, not Explicit
+  with mesh:
+    model = llama_params.create_model_from_safe_tensors(model_dir, cfg, mesh,
+                                                        dtype=jnp.float32)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+  with open(os.path.join(model_dir, "generation_config.json")) as f:
+    eos = json.load(f)["eos_token_id"]
+
+  @dataclasses.dataclass(kw_only=True)
+  class GRPOConfig(grpo_learner.GRPOConfig):
+    epsilon_high: float = w.eps_high  # read by tunix.rl.algo_core when present
+
+  rows, gen_rows, rewards = [], [], []
+
+  def reward_fn(prompts, completions, **kwargs):
+    out = even_reward(prompts, completions, **kwargs)
+    rewards.append(float(np.mean(out)))
+    return out
+
+  class TimedGRPOLearner(grpo_learner.GRPOLearner):
+
+    def _generate_and_compute_advantage(self, *args, **kwargs):
+      t0 = time.perf_counter()
+      out = super()._generate_and_compute_advantage(*args, **kwargs)
+      jax.block_until_ready(out.advantages)
+      gen_rows.append((time.perf_counter() - t0, int(np.sum(out.completion_mask))))
+      return out
+
+    def _run_global_step(self, *args, **kwargs):
+      before_step()
+      load, t0 = os.getloadavg()[0], time.perf_counter()
+      super()._run_global_step(*args, **kwargs)
+      jax.block_until_ready(nnx.state(self.rl_cluster.actor_trainer.model))
+      rows.append((time.perf_counter() - t0, load))
+      print(f"  Tunix step {len(rows) - 1}: {rows[-1][0]:.2f} s", flush=True)
+
+  optimizer = optax.chain(optax.clip_by_global_norm(w.grad_clip),
+                          optax.adamw(w.lr, b1=w.b1, b2=w.b2, weight_decay=0.0))
+  training = rl_cluster_lib.RLTrainingConfig(
+      actor_optimizer=optimizer, eval_every_n_steps=10**9, max_steps=total_steps,
+      mini_batch_size=w.prompts, train_micro_batch_size=w.prompts)
+  rollout = base_rollout.RolloutConfig(
+      max_tokens_to_generate=w.max_new_tokens, max_prompt_length=prompt_len,
+      kv_cache_size=prompt_len + w.max_new_tokens, temperature=w.temperature, top_p=1.0,
+      top_k=None, eos_tokens=[eos], data_type=jnp.float32)
+  roles = rl_cluster_lib.Role
+  cluster = rl_cluster_lib.RLCluster(
+      actor=model, reference=None, tokenizer=tokenizer,
+      cluster_config=rl_cluster_lib.ClusterConfig(
+          role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+          rollout_engine="vanilla", offload_to_cpu=False, training_config=training,
+          rollout_config=rollout))
+  algo = GRPOConfig(num_generations=w.group_size, num_iterations=1, beta=0.0,
+                    epsilon=w.eps_low, loss_agg_mode="token-mean")
+  learner = TimedGRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=reward_fn)
+  batch = {"prompts": np.array(PROMPTS), "answer": np.array(ANSWERS)}  # as a grain batch
+  learner.train([dict(batch) for _ in range(total_steps)])
+  if len(rows) != total_steps or len(gen_rows) != total_steps:
+    raise RuntimeError(f"Tunix ran {len(rows)} steps ({len(gen_rows)} generations); "
+                       f"expected {total_steps}.")
+  rewards += [float("nan")] * (total_steps - len(rewards))
+  return [(t, g, n, r, load) for (t, load), (g, n), r in zip(rows, gen_rows, rewards)]
+
+
 # ============================================================================= taking turns
 
 _MSG = "@@bench_peers "  # protocol lines on a worker's stdout; everything else is its log
@@ -330,12 +469,15 @@ def worker(args) -> None:
   total = args.steps + args.warmup
   model_dir, data_dir = (os.path.join(args.workdir, d) for d in ("model", "data"))
   if args._worker == "rlx":  # pylint: disable=protected-access
-    config = rlx_config(w, model_dir, data_dir, args._prompt_len, total, args.sampler)  # pylint: disable=protected-access
+    config = rlx_config(w, model_dir, data_dir, args._prompt_len, total, args.sampler,  # pylint: disable=protected-access
+                        tuple(args.rlx))
     step = RlxStepper(config, os.path.join(args.workdir, "rlx"))
     for _ in range(total):
       _wait_go()
       step()
     rows = step.rows
+  elif args._worker == "tunix":  # pylint: disable=protected-access
+    rows = run_tunix(w, MODELS[args.size], model_dir, args._prompt_len, total, _wait_go)  # pylint: disable=protected-access
   else:
     rows = run_trl(w, model_dir, os.path.join(args.workdir, "trl"), total, _wait_go)
   _send("rows", [list(r) for r in rows])
@@ -345,9 +487,11 @@ class _Worker:
   """A worker process and its protocol: `go()` starts one step and returns when it is done."""
 
   def __init__(self, name: str, args, root: str, prompt_len: int):
-    cmd = [sys.executable, os.path.abspath(__file__), f"--_worker={name}",
+    python = (getattr(args, "tunix_python", "") if name == "tunix" else "") or sys.executable
+    cmd = [python, os.path.abspath(__file__), f"--_worker={name}",
            f"--size={args.size}", f"--steps={args.steps}", f"--warmup={args.warmup}",
            f"--sampler={args.sampler}", f"--workdir={root}", f"--_prompt_len={prompt_len}"]
+    cmd += [f"--rlx={kv}" for kv in getattr(args, "rlx", ())]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
          os.environ.get("PYTHONPATH", "")]))
@@ -383,16 +527,18 @@ def take_turns(names, args, root: str, prompt_len: int, total: int) -> dict:
   """Runs each trainer in its own process, one step at a time in turn; {name: rows}."""
   workers = []
   try:
-    for name in names:  # set up one after the other (compile and model loading not timed)
-      workers.append(_Worker(name, args, root, prompt_len))
     if args.schedule == "turns":
+      for name in names:  # set up one after the other (compile and model loading not timed)
+        workers.append(_Worker(name, args, root, prompt_len))
       for _ in range(total):
         for wk in workers:
           wk.go()
-    else:  # "blocks": every step of one trainer, then every step of the next
-      for wk in workers:
+    else:  # "blocks": every step of one trainer, then the next; only one process alive, so
+      for name in names:  # the others' memory (Tunix holds ~12 GB at 100M) is not in the way
+        workers.append(_Worker(name, args, root, prompt_len))
         for _ in range(total):
-          wk.go()
+          workers[-1].go()
+        workers[-1].proc.wait()
     missing = [wk.name for wk in workers if wk.rows is None or len(wk.rows) != total]
     if missing:
       raise RuntimeError(f"bench_peers: no rows (or not {total}) from {missing}.")
@@ -409,48 +555,55 @@ def _median(xs) -> float:
   return statistics.median(xs) if xs else float("nan")
 
 
-def report(size: str, params: int, rlx_rows, trl_rows, warmup: int, load_span,
+PEER_NAMES = {"trl": "TRL", "tunix": "Tunix"}
+
+
+def report(size: str, params: int, rlx_rows, peer_rows: dict, warmup: int, load_span,
            mode: str = "one process each, taking turns") -> str:
+  """The markdown table: one row per peer (rlx's cells repeat), or rlx alone."""
   r = rlx_rows[warmup:]
   gen, upd = [x[0] for x in r], [x[1] for x in r]
-  step = [a + b for a, b in zip(gen, upd)]
-  rlx_step = _median(step)
+  rlx_step = _median([a + b for a, b in zip(gen, upd)])
   head = ("| model | params | rlx step s (gen + update) | rlx gen tok/step | rlx gen tok/s "
-          "| TRL step s (gen + rest) | TRL gen tok/step | TRL gen tok/s | TRL / rlx step "
-          "| steps (each) | load rlx / TRL |")
-  sep = "|" + "---|" * 11
-  rlx_cell = f"{rlx_step:.2f} ({_median(gen):.2f} + {_median(upd):.2f})"
-  rlx_tok = _median([x[2] for x in r])
-  rlx_rate = _median([x[2] / x[0] for x in r])
-  if trl_rows:
-    t = trl_rows[warmup:]
-    trl_step, trl_gen = _median([x[0] for x in t]), _median([x[1] for x in t])
-    trl_cell = f"{trl_step:.2f} ({trl_gen:.2f} + {_median([x[0] - x[1] for x in t]):.2f})"
-    trl_tok = f"{_median([x[2] for x in t]):.0f}"
-    trl_rate = f"{_median([x[2] / x[1] for x in t]):.0f}"
-    ratio = f"**{trl_step / rlx_step:.2f}x**"
-    load = f"{_median([x[4] for x in r]):.1f} / {_median([x[4] for x in t]):.1f}"
-  else:
-    trl_cell = trl_tok = trl_rate = ratio = "-"
-    load = f"{_median([x[4] for x in r]):.1f} / -"
-  row = (f"| {size} | {params / 1e6:.2f}M | {rlx_cell} | {rlx_tok:.0f} | {rlx_rate:.0f} | "
-         f"{trl_cell} | {trl_tok} | {trl_rate} | {ratio} | {len(r)} | {load} |")
+          "| peer | peer step s (gen + rest) | peer gen tok/step | peer gen tok/s "
+          "| peer / rlx step | steps (each) | load rlx / peer |")
+  sep = "|" + "---|" * 12
+  rlx_cells = (f"| {size} | {params / 1e6:.2f}M | {rlx_step:.2f} ({_median(gen):.2f} + "
+               f"{_median(upd):.2f}) | {_median([x[2] for x in r]):.0f} | "
+               f"{_median([x[2] / x[0] for x in r]):.0f} |")
+  rlx_load = f"{_median([x[4] for x in r]):.1f}"
+  rows = []
+  for name, rows_ in (peer_rows or {}).items():
+    t = rows_[warmup:]
+    step = _median([x[0] for x in t])
+    rows.append(
+        f"{rlx_cells} {PEER_NAMES.get(name, name)} | {step:.2f} ({_median([x[1] for x in t]):.2f}"
+        f" + {_median([x[0] - x[1] for x in t]):.2f}) | {_median([x[2] for x in t]):.0f} | "
+        f"{_median([x[2] / x[1] for x in t]):.0f} | **{step / rlx_step:.2f}x** | {len(r)} | "
+        f"{rlx_load} / {_median([x[4] for x in t]):.1f} |")
+  if not rows:
+    rows.append(f"{rlx_cells} - | - | - | - | - | {len(r)} | {rlx_load} / - |")
   note = (f"\nMedians of {len(r)} steady steps each ({warmup} warm-up step(s) dropped; "
           f"trainers: {mode}); "
           f"1-min load average {load_span[0]:.1f} before, {load_span[1]:.1f} after. "
           f"Ratio > 1: rlx's step is faster. Each part is its own median, so the parts need not "
           f"add up to the step.")
-  return "\n".join([head, sep, row]) + "\n" + note + "\n"
+  return "\n".join([head, sep] + rows) + "\n" + note + "\n"
 
 
-def _per_step(rlx_rows, trl_rows) -> str:
-  lines = ["step  rlx gen s  rlx upd s  rlx tok  rlx reward  |  TRL step s  TRL gen s  TRL tok"
-           "  TRL reward"]
+def _per_step(rlx_rows, peer_rows: dict) -> str:
+  names = list(peer_rows or {})
+  head = "step  rlx gen s  rlx upd s  rlx tok  rlx reward"
+  for name in names:
+    n = PEER_NAMES.get(name, name)
+    head += f"  |  {n} step s  {n} gen s  {n} tok  {n} reward"
+  lines = [head]
   for i, (g, u, n, rew, _) in enumerate(rlx_rows):
     line = f"{i:4d}  {g:9.2f}  {u:9.2f}  {n:7.0f}  {rew:10.3f}"
-    if trl_rows and i < len(trl_rows):
-      s, tg, tn, trew, _ = trl_rows[i]
-      line += f"  |  {s:10.2f}  {tg:9.2f}  {tn:7.0f}  {trew:10.3f}"
+    for name in names:
+      if i < len(peer_rows[name]):
+        s_, tg, tn, trew, _ = peer_rows[name][i]
+        line += f"  |  {s_:10.2f}  {tg:9.2f}  {tn:7.0f}  {trew:10.3f}"
     lines.append(line)
   return "\n".join(lines)
 
@@ -461,30 +614,48 @@ def main(argv=None) -> None:
   p.add_argument("--size", choices=sorted(MODELS), default="3m")
   p.add_argument("--steps", type=int, default=6, help="Timed steady steps of each trainer.")
   p.add_argument("--warmup", type=int, default=1, help="Steps dropped first (compile, init).")
-  p.add_argument("--peers", default="trl" if trl_available() else "",
-                 help="'trl' or '' (default: trl if importable).")
+  p.add_argument("--peers", default=",".join(
+      n for n, ok in (("trl", trl_available()), ("tunix", tunix_available())) if ok),
+                 help="Comma-separated peers among trl, tunix, or '' (default: each one "
+                      "that is importable).")
   p.add_argument("--rlx_only", action="store_true", help="Time rlx alone.")
   p.add_argument("--sampler", default="paged", choices=("paged", "dense"), help="rlx sampler.")
   p.add_argument("--eos_in_vocab", action="store_true",
                  help="EOS the model can sample (completions may stop early, unequal work).")
   p.add_argument("--workdir", default="", help="Scratch directory (default: a temp dir).")
   p.add_argument("--out", default="", help="Also write the table (markdown) here.")
+  p.add_argument("--rlx", action="append", default=[], metavar="KEY=VALUE",
+                 help="An rlx config override for its side (repeatable), e.g. "
+                      "--rlx=rl.update_micro_rows=8.")
+  p.add_argument("--tunix_python", default="",
+                 help="Interpreter for the Tunix worker (default: this one). Tunix 0.1.7 pins "
+                      "safetensors<0.8, which holds transformers at 5.12, older than TRL 1.16 "
+                      "runs on: give Tunix a venv of its own with rlx installed "
+                      "(pip install -e '.[tunix]') and point this at its bin/python.")
   p.add_argument("--same_process", action="store_true",
                  help="Both trainers in this process (the first method; see the docstring).")
   p.add_argument("--schedule", default="turns", choices=("turns", "blocks"),
                  help="Worker processes: one step each in turn, or all of one trainer's steps "
                       "then the other's (see the docstring).")
-  p.add_argument("--_worker", default="", choices=("", "rlx", "trl"), help=argparse.SUPPRESS)
+  p.add_argument("--_worker", default="", choices=("", "rlx", "trl", "tunix"),
+                 help=argparse.SUPPRESS)
   p.add_argument("--_prompt_len", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args._worker:  # pylint: disable=protected-access
     worker(args)
     return
-  peers = "" if args.rlx_only else args.peers
-  if peers not in ("", "trl"):
-    raise SystemExit(f"--peers={peers!r}; expected 'trl' or ''.")
-  if peers == "trl" and not trl_available():
-    raise SystemExit("--peers=trl needs TRL: pip install -e '.[peers]'.")
+  peers = [] if args.rlx_only else [n for n in args.peers.split(",") if n]
+  for name in peers:
+    if name not in PEER_NAMES:
+      raise SystemExit(f"--peers={args.peers!r}: {name!r} is not a peer; expected a "
+                       f"comma-separated list of {sorted(PEER_NAMES)}, or ''.")
+    if not (trl_available() if name == "trl" else tunix_available(args.tunix_python)):
+      where = f" in {args.tunix_python}" if name == "tunix" and args.tunix_python else ""
+      raise SystemExit(f"--peers={name} needs {PEER_NAMES[name]}{where}: pip install -e "
+                       f"'.[{'peers' if name == 'trl' else 'tunix'}]'.")
+  if args.same_process and "tunix" in peers:
+    raise SystemExit("--same_process runs TRL only (Tunix is JAX too: it gets its own process); "
+                     "drop --same_process or --peers=tunix.")
   if args.steps < 1 or args.warmup < 0:
     raise SystemExit(f"--steps={args.steps} --warmup={args.warmup}; expected >= 1 and >= 0.")
 
@@ -506,26 +677,29 @@ def main(argv=None) -> None:
           f"{model_cfg.vocab_size}, {model_cfg.num_layers} layers, d_model {model_cfg.d_model}); "
           f"workload: {w.prompts} prompts x G={w.group_size}, prompt {prompt_len} tokens, "
           f"{w.max_new_tokens} new tokens, EOS {'in' if args.eos_in_vocab else 'outside'} the "
-          f"model's vocabulary; rlx sampler {args.sampler}; peer: {peers or 'none'}",
+          f"model's vocabulary; rlx sampler {args.sampler}"
+          f"{''.join(' --rlx=' + kv for kv in args.rlx)}; peers: {','.join(peers) or 'none'}",
           flush=True)
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    trl_rows = None
+    peer_rows = {}
     if args.same_process:
-      config = rlx_config(w, model_dir, data_dir, prompt_len, total, args.sampler)
+      config = rlx_config(w, model_dir, data_dir, prompt_len, total, args.sampler,
+                          tuple(args.rlx))
       rlx_step = RlxStepper(config, os.path.join(root, "rlx"))
-      if peers == "trl":
-        trl_rows = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step)
+      if "trl" in peers:
+        peer_rows["trl"] = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step)
       else:
         for _ in range(total):
           rlx_step()
       rlx_rows = rlx_step.rows
     else:
-      rows = take_turns(["rlx"] + ([peers] if peers else []), args, root, prompt_len, total)
-      rlx_rows, trl_rows = rows["rlx"], rows.get("trl")
+      rows = take_turns(["rlx"] + peers, args, root, prompt_len, total)
+      rlx_rows = rows.pop("rlx")
+      peer_rows = rows
     load_after = os.getloadavg()[0]
-    print(f"\n{_per_step(rlx_rows, trl_rows)}\n(wall {time.perf_counter() - t0:.0f} s)\n")
-  table = report(args.size, model_cfg.num_params(), rlx_rows, trl_rows, args.warmup,
+    print(f"\n{_per_step(rlx_rows, peer_rows)}\n(wall {time.perf_counter() - t0:.0f} s)\n")
+  table = report(args.size, model_cfg.num_params(), rlx_rows, peer_rows, args.warmup,
                  (load_before, load_after),
                  "one process" if args.same_process else
                  f"one process each, {'taking turns' if args.schedule == 'turns' else 'one after the other'}")

@@ -1,7 +1,8 @@
 """experiments/bench_peers.py: the shared model directory loads the same in rlx and
 transformers (ids, special tokens, weights shape), TRL's config is one generation of
-4 prompts x G=8 per optimizer step, and the turn-taking worker processes deliver one row per
-step (and a clear error when a worker dies)."""
+4 prompts x G=8 per optimizer step, the turn-taking worker processes (rlx; Tunix where it is
+installed) deliver one row per step (and a clear error when a worker dies), and the report has
+one row per peer."""
 
 import argparse
 import json
@@ -74,3 +75,32 @@ def test_rlx_worker_takes_turns(model_dir, tmp_path):
 def test_dead_worker_is_one_clear_error(tmp_path):
   with pytest.raises(RuntimeError, match="the rlx worker exited"):
     bench_peers.take_turns(["rlx"], _turn_args(size="no-such-size"), str(tmp_path), 8, 1)
+
+
+def test_tunix_worker_takes_turns(model_dir, tmp_path):
+  """Tunix's GRPOLearner on the same directory, in its own process: one row per step, each
+  a 4 x 8 x 128 generation (Tunix's completion mask drops sampled pad ids, so <= 4096)."""
+  pytest.importorskip("tunix")
+  root = str(tmp_path)
+  os.symlink(model_dir, os.path.join(root, "model"))
+  prompt_len = max(map(len, bench_peers.check_tokenizers(model_dir)))
+  rows = bench_peers.take_turns(["tunix"], _turn_args(), root, prompt_len, total=2)
+  assert list(rows) == ["tunix"] and len(rows["tunix"]) == 2
+  for step_s, gen_s, tokens, reward, _ in rows["tunix"]:
+    assert step_s > gen_s > 0 and 0.95 * 4 * 8 * 128 <= tokens <= 4 * 8 * 128
+    assert 0.0 <= reward <= 1.0
+
+
+def test_report_has_one_row_per_peer():
+  """rlx's cells repeat on each peer's row; the ratio is peer step / rlx step (medians)."""
+  rlx_rows = [(9.0, 9.0, 4096, 0.5, 1.0), (1.0, 2.0, 4096, 0.5, 1.0), (1.0, 4.0, 4096, 0.5, 2.0)]
+  trl = [(99.0, 50.0, 4096, 0.5, 1.0), (6.0, 2.0, 4096, 0.5, 1.0), (12.0, 4.0, 4096, 0.5, 1.0)]
+  tunix = [(99.0, 50.0, 4000, 0.5, 1.0), (3.0, 1.0, 4000, 0.5, 1.0), (5.0, 1.0, 4000, 0.5, 1.0)]
+  table = bench_peers.report("tiny", 1e6, rlx_rows, {"trl": trl, "tunix": tunix}, 1, (1.0, 1.0))
+  rows = [line for line in table.splitlines() if line.startswith("| tiny")]
+  assert len(rows) == 2 and "| TRL |" in rows[0] and "| Tunix |" in rows[1]
+  # rlx step median = median(3, 5) = 4; TRL median(6, 12) = 9; Tunix median(3, 5) = 4.
+  assert "| 4.00 (1.00 + 3.00) |" in rows[0] and "**2.25x**" in rows[0]
+  assert "| 4.00 (1.00 + 3.00) |" in rows[1] and "**1.00x**" in rows[1]
+  alone = bench_peers.report("tiny", 1e6, rlx_rows, {}, 1, (1.0, 1.0))
+  assert [line for line in alone.splitlines() if line.startswith("| tiny")][0].count("| - ") == 5
