@@ -10,6 +10,13 @@ prints per call: wall time, minor page faults, system and user CPU time (getrusa
 process's peak RSS and an f32 2048^3 GEMM probe. XLA:CPU maps its temporary buffer fresh for
 every call and unmaps it after, so each call faults that memory in again; see README
 ("Training step vs TRL") for what that costs on a VM.
+
+  python experiments/bench_faults.py --rows=32 --micro_rows=8 --calls=4
+
+times rlx's whole update (`train.update`, AdamW, one minibatch) on the same rows instead, the
+whole batch at once (A) against gradient accumulation over micro-batches of --micro_rows rows
+(B, `rl.update_micro_rows`), the two alternating call by call, and prints XLA's temporary
+buffer size for each and the median B / A time.
 """
 
 import argparse
@@ -31,6 +38,8 @@ def main() -> None:
   p.add_argument("--rows", type=int, default=32)
   p.add_argument("--size", default="100m", choices=("tiny", "3m", "100m"))
   p.add_argument("--calls", type=int, default=3)
+  p.add_argument("--micro_rows", type=int, default=0,
+                 help="> 0: rlx's update, whole batch vs micro-batches of this many rows.")
   args = p.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from bench_peers import MODELS  # pylint: disable=g-import-not-at-top
@@ -43,6 +52,9 @@ def main() -> None:
   comps = jnp.asarray(rng.integers(3, cfg.vocab_size, (b, t)), jnp.int32)
   plens, lens = jnp.full((b,), plen, jnp.int32), jnp.full((b,), t, jnp.int32)
   adv = jnp.asarray(rng.normal(size=(b,)), jnp.float32)
+
+  if args.micro_rows:
+    return accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv)
 
   def loss(p):
     lp, mask = train.completion_logprobs(graphdef, p, prompts, plens, comps, lens, 1.0)
@@ -63,6 +75,65 @@ def main() -> None:
           + (f"  ({sys_s / faults * 1e6:.1f} us system per fault)" if faults else ""))
   print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB; "
         f"f32 GEMM probe (bench_step.gemm_peak) {gemm_peak() / 1e9:.0f} GFLOP/s")
+
+
+def _usage() -> tuple:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return time.perf_counter(), r.ru_minflt, r.ru_stime
+
+
+def accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv) -> None:
+  """rlx's update on the batch at once (A) vs in micro-batches (B), alternating per call."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import statistics  # pylint: disable=g-import-not-at-top
+  from rlx.rl.loss import LossConfig  # pylint: disable=g-import-not-at-top
+  from bench_step import gemm_peak  # pylint: disable=g-import-not-at-top
+  from rlx import sharding as shd  # pylint: disable=g-import-not-at-top
+  from rlx.sampler.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+  b, t = comps.shape
+  if args.micro_rows >= b or b % args.micro_rows:
+    raise SystemExit(f"--micro_rows={args.micro_rows}: expected a divisor of --rows={b} "
+                     "below it.")
+  lp, mask = train.completion_logprobs(graphdef, params, prompts, plens, comps, lens, 1.0)
+  batch = train.Batch(
+      prompts=prompts, prompt_lens=plens, completions=comps,
+      behaviour_logp=jnp.where(mask, lp - 0.01, 0.0), lengths=lens,
+      truncated=jnp.zeros((b,), bool), rewards=jnp.zeros((b,)), advantages=adv,
+      prompt_ids=jnp.arange(b) // 8, difficulty=jnp.ones((b,), jnp.int32),
+      policy_version=jnp.zeros((b,), jnp.int32))
+  ro = train.Rollouts(batch, {"ledger/tokens_discarded": jnp.zeros(())})
+  tx = train.make_optimizer(1e-6, 100, schedule="constant")
+  mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  state = train.init_state(params, tx, 0, mesh, prompt_width=prompts.shape[1],
+                           max_new_tokens=t)
+  fns, temps = {}, {}
+  for name, micro in (("A whole batch", 0), (f"B {b // args.micro_rows} x {args.micro_rows} rows",
+                                              args.micro_rows)):
+    cfg = train.StepConfig(prompts_per_step=b // 8, group_size=8, advantage="grpo",
+                           num_updates=1, num_minibatches=1, loss=LossConfig(),
+                           sampling=SamplingParams(max_new_tokens=t), update_micro_rows=micro)
+    parts = (t,) * (b // micro) if micro else None
+    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx,
+                                   parts=parts))
+    temps[name] = fn.lower(state, ro).compile().memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(fn(state, ro))  # compile + first run
+    fns[name] = fn
+  print(f"{args.size}, {b} rows x ({prompts.shape[1]} + {t}) tokens: rlx's update per call")
+  times = {name: [] for name in fns}
+  for _ in range(args.calls):
+    for name, fn in fns.items():
+      t0, f0, s0 = _usage()
+      jax.block_until_ready(fn(state, ro))
+      t1, f1, s1 = _usage()
+      times[name].append(t1 - t0)
+      print(f"  {name:24s} {t1 - t0:6.2f} s wall  {f1 - f0:9d} minor faults  "
+            f"{s1 - s0:6.2f} s system", flush=True)
+  (a_name, a), (b_name, bt) = times.items()
+  for name in fns:
+    print(f"{name}: median {statistics.median(times[name]):.2f} s, XLA temp buffer "
+          f"{temps[name] / 2**30:.2f} GB")
+  print(f"B / A time: {statistics.median(bt) / statistics.median(a):.2f}x (medians of "
+        f"{args.calls} alternating calls); f32 GEMM probe {gemm_peak() / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ DEFAULT_ACTIVATION_MARGIN = 1.2
 _HINT_FSDP = "more FSDP (config.mesh.fsdp)"
 _HINT_BF16 = "bf16 master weights (config.model.param_dtype='bfloat16')"
 _HINT_PROMPTS = "fewer config.rl.prompts_per_step (or a smaller rl.group_size)"
-_HINT_MINIBATCH = "more config.rl.num_minibatches"
+_HINT_MINIBATCH = ("config.rl.update_micro_rows (gradient accumulation, same step) or more "
+                   "config.rl.num_minibatches")
 _HINT_POOL = ("a smaller KV pool (config.sampler.num_pages / max_slots) or a shorter "
               "sampler.max_new_tokens")
 _HINT_REPLAY = "a smaller config.replay.capacity"
@@ -459,6 +460,13 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   per_row = pw * 4 + t_new * (4 + 4 * logp_copies + 1) + 12 * 4
   add("training batch (+ minibatch copy)", 2 * rows_dev * per_row,
       f"2 x {rows_dev} rows x (P*4 + T*{4 + 4 * logp_copies + 1} + 48)B", "update")
+  micro = rl_spec.update_micro_rows
+  if int(rl.num_minibatches) == 1 and 0 < micro < train_rows:
+    # Gradient accumulation (`train.update_shape`): one micro-batch's activations live at a
+    # time, the fewest equal parts of <= micro rows that split over the batch devices.
+    parts = next((k for k in range(_cdiv(train_rows, micro), train_rows + 1)
+                  if train_rows % (k * nb) == 0), 1)
+    mb_rows = _cdiv(train_rows // parts, nb)
   forward_passes = []
   if not rl_spec.fuse_pi_old or int(rl.num_minibatches) > 1:
     forward_passes.append("pi_old")

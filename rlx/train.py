@@ -120,6 +120,7 @@ class StepConfig:
   update_buckets: int = 4
   drop_zero_adv_rows: bool = True  # see `update_shape`
   update_parts: int = 2  # length-sorted micro-batches, each at its own width (`update`)
+  update_micro_rows: int = 0  # > 0: micro-batches of at most this many rows (`update_shape`)
   verifier: Verifier = Verifier()  # the task's jnp reward (exact match, final answer, ...)
   lora: lora_lib.LoRAConfig | None = None  # None: full-parameter training
   staleness_hist: bool = False  # log the fresh rows' staleness histogram (overlap mode)
@@ -536,33 +537,71 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     ref_logp = tuple(forward(state.base, s, model_logp) if cfg.lora is not None else
                      forward(state.ref_params, s) for s in mb_seqs)
 
-  def loss_fn(params, bs, refs, olds_in, is_first):
-    total, mets, olds, counts = 0.0, [], [], []
-    for i, b in enumerate(bs):
-      logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
-      old = jnp.where(is_first, jax.lax.stop_gradient(logp), olds_in[i])
-      anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
-      loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask,
-                                  cfg.loss, None if refs is None else refs[i],
-                                  norm_len=full_t, **norms)
-      total = total + loss  # each part's loss already has the whole batch's normalisers
-      mets.append(metrics)
-      olds.append(old)
-      counts.append(mask.astype(jnp.float32).sum())
+  def part_loss(params, b, ref, old_in, is_first):  # one micro-batch's share of the loss
+    logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
+    old = jnp.where(is_first, jax.lax.stop_gradient(logp), old_in)
+    anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
+    loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask,
+                                cfg.loss, ref, norm_len=full_t, **norms)
+    return loss, (metrics, old, mask.astype(jnp.float32).sum())
+
+  part_grad = jax.value_and_grad(part_loss, has_aux=True)
+
+  def run_parts(params, bs, refs, olds_in, is_first):
+    """Equal-shape micro-batches as one scan: part k+1 reuses part k's buffers. (A Python loop
+    of value-and-grads, even with an optimization barrier between the parts, kept every
+    part's activations live in XLA's buffer assignment: measured, tests/test_memory.py.)"""
+    def body(acc, xs):
+      b, ref, old_in = xs
+      (loss, (metrics, old, count)), g = part_grad(params, b, ref, old_in, is_first)
+      return (g if acc is None else jax.tree.map(jnp.add, acc, g)), (loss, metrics, old, count)
     if len(bs) == 1:
-      return total, (mets[0], tuple(olds))
-    n = sum(counts)  # token means over all parts, weighted by their tokens
-    metrics = {k: sum(mt[k] * c for mt, c in zip(mets, counts)) / jnp.maximum(n, 1.0)
+      g, (loss, metrics, old, count) = body(None, (bs[0], refs and refs[0], olds_in[0]))
+      return g, loss[None], {k: v[None] for k, v in metrics.items()}, [old], count[None]
+    stack = lambda xs: None if xs is None else jax.tree.map(lambda *x: jnp.stack(x), *xs)
+    g, (losses, metrics, olds, counts) = jax.lax.scan(
+        body, jax.tree.map(jnp.zeros_like, params), (stack(bs), stack(refs), stack(olds_in)))
+    return g, losses, metrics, [olds[k] for k in range(len(bs))], counts
+
+  def loss_and_grads(params, bs, refs, olds_in, is_first):
+    """The batch's loss and gradient, micro-batch by micro-batch (gradient accumulation).
+
+    Each part's loss already carries the whole batch's normalisers, so the summed gradient is
+    the batch's. Consecutive parts of one width run as a scan (`run_parts`), so at most one
+    part per distinct width is live: with `update_micro_rows` at equal widths, one part.
+    """
+    if len(bs) == 1:
+      (loss, (metrics, old, _)), grads = part_grad(
+          params, bs[0], None if refs is None else refs[0], olds_in[0], is_first)
+      return loss, metrics, (old,), grads
+    runs, start = [], 0
+    for k in range(1, len(bs) + 1):
+      if k == len(bs) or bs[k].completions.shape != bs[start].completions.shape:
+        runs.append(list(range(start, k)))
+        start = k
+    grads, losses, mets, olds, counts = None, [], [], [], []
+    for run in runs:
+      pick = lambda xs, run=run: None if xs is None else [xs[k] for k in run]
+      g, loss, metrics, old, count = run_parts(params, pick(bs), pick(refs), pick(olds_in),
+                                               is_first)
+      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+      losses.append(loss)
+      mets.append(metrics)
+      olds += old
+      counts.append(count)
+    losses, counts = jnp.concatenate(losses), jnp.concatenate(counts)
+    n = counts.sum()  # token means over all parts, weighted by their tokens
+    metrics = {k: (jnp.concatenate([m[k] for m in mets]) * counts).sum() / jnp.maximum(n, 1.0)
                for k in mets[0]}
-    metrics["loss/policy"] = total
-    return total, (metrics, tuple(olds))
+    metrics["loss/policy"] = losses.sum()
+    return losses.sum(), metrics, tuple(olds), grads
 
   def minibatch_step(carry, xs):
     params, opt_state, store, epoch = carry
     j, b, ref = xs
     is_first = (epoch == 0) & (j == 0) & cfg.fuse_pi_old
-    (loss, (metrics, old)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, b, ref, tuple(s[j] for s in store), is_first)
+    loss, metrics, old, grads = loss_and_grads(params, b, ref, tuple(s[j] for s in store),
+                                               is_first)
     store = tuple(s.at[j].set(o) for s, o in zip(store, old))
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
@@ -844,7 +883,12 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
     shape["rows"] = update_rows(signal, total, num_batch_devices)
   n = cfg.update_parts
   rows = shape.get("rows", total)
-  split = n > 1 and one_mb and rows % (n * num_batch_devices) == 0 and cfg.update_buckets > 1
+  micro = cfg.update_micro_rows > 0 and one_mb and rows > cfg.update_micro_rows
+  if micro:  # the fewest equal parts of <= update_micro_rows rows that split over the devices
+    n = next((k for k in range(-(-rows // cfg.update_micro_rows), rows + 1)
+              if rows % (k * num_batch_devices) == 0), 1)
+  split = n > 1 and one_mb and rows % (n * num_batch_devices) == 0 and (
+      cfg.update_buckets > 1 or micro)
   if rows < total or split:
     lengths = distributed.to_host(b.lengths).astype(int)
     if rows < total:  # as `update` selects: all signal rows, then the shortest zero-adv rows
@@ -856,7 +900,8 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
     shape["width"] = update_width(int(chosen[-1]), t, cfg.update_buckets)
     if split:
       widths = part_widths(chosen[::-1], n, t, cfg.update_buckets)
-      if len(set(widths)) > 1:  # equal widths: one micro-batch does the same work
+      # Equal widths: one micro-batch does the same work, unless accumulation was asked for.
+      if len(set(widths)) > 1 or micro:
         shape["parts"] = widths
   return shape
 

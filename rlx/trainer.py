@@ -57,6 +57,7 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
       fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
       drop_zero_adv_rows=rl.drop_zero_adv_rows, update_parts=rl.update_parts,
+      update_micro_rows=rl.update_micro_rows,
       verifier=registry.verifier_for(spec.task, tokenizer), lora=spec.lora,
       staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive)
 

@@ -210,6 +210,45 @@ def test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows():
     assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
 
 
+def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follows():
+  """rl.update_micro_rows=2 on 8 rows (T = 1024, vocabulary 32k): four micro-batches one
+  after the other. XLA's memory analysis of the compiled update shows one part's activations
+  live at a time (the optimization barrier between parts holds), and the plan follows."""
+  import functools
+  from rlx.model import ModelConfig
+  from rlx.sampler.sampling import SamplingParams
+  v, t, p, rows = 32000, 1024, 16, 8
+  model = ModelConfig(vocab_size=v, num_layers=2, d_model=64, num_heads=2, num_kv_heads=1,
+                      head_dim=16, mlp_dim=128)
+  graphdef, abstract = transformer.abstract_params(model)
+  tx = train.make_optimizer(1e-3, 10)
+  i32 = jax.numpy.int32
+  ro = _abstract_rollouts(rows, p, t)
+  state = jax.eval_shape(lambda params: train.TrainState(
+      params=params, opt_state=tx.init(params), rng=jax.numpy.zeros((2,), jax.numpy.uint32),
+      step=jax.numpy.zeros((), i32), policy_version=jax.numpy.zeros((), i32)), abstract)
+
+  def xla_and_plan(micro):
+    cfg = train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
+                           num_minibatches=1, loss=train.LossConfig(),
+                           sampling=SamplingParams(max_new_tokens=t), update_micro_rows=micro)
+    parts = (t,) * (rows // micro) if micro else None
+    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx,
+                                   parts=parts), donate_argnums=0)
+    ma = fn.lower(state, ro).compile().memory_analysis()
+    config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
+                        "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
+                        "rl.update_micro_rows": micro, "memory.activation_margin": 1.0})
+    planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
+    return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
+
+  full_xla, full_plan = xla_and_plan(0)
+  micro_xla, micro_plan = xla_and_plan(2)
+  assert full_xla >= 2.5 * micro_xla, (full_xla, micro_xla)
+  for xla, planned in ((full_xla, full_plan), (micro_xla, micro_plan)):
+    assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
+
+
 # ----------------------------------------------------------------------------- LoRA
 
 # arith "runlocal": d=32, Hq*D=32, Hkv*D=16, F=64, 2 layers. r x (in + out) per adapted matrix:

@@ -215,6 +215,42 @@ def test_length_sorted_micro_batches_equal_the_padded_update(case):
       got_m["ledger/update_pad_frac"], one_m["ledger/update_pad_frac"])
 
 
+@pytest.mark.parametrize("case", ["one_minibatch", "kl_seq_sum_norm", "replay"])
+def test_gradient_accumulation_at_equal_widths_equals_the_whole_batch(case):
+  """rl.update_micro_rows: micro-batches of <= 4 rows, one after the other, also where every
+  row needs the full width (update_parts alone would keep one micro-batch): same step."""
+  g, params, ro = _rollouts(seed=5)
+  lengths = np.full(B, T - 1, np.int32)  # every row as long: equal widths
+  comp = np.where(np.arange(T)[None, :] < lengths[:, None], 5, 0).astype(np.int32)
+  lp, mask = train.completion_logprobs(g, params, ro.batch.prompts, ro.batch.prompt_lens,
+                                       comp, lengths, 1.0)
+  behaviour = np.where(mask, np.asarray(lp) + 0.05, 0.0)
+  stats = dict(ro.stats)
+  cfg = _config(**PARTS_CASES[case])
+  if cfg.replay is not None:  # the ring holds this batch (see _step)
+    stats["replay/ring_max_len"] = jnp.asarray(float(T - 1))
+  ro = train.Rollouts(ro.batch.replace(lengths=jnp.asarray(lengths), completions=jnp.asarray(comp),
+                                       behaviour_logp=jnp.asarray(behaviour, jnp.float32)),
+                      stats)
+  assert "parts" not in train.update_shape(ro, cfg)  # equal widths: one micro-batch
+  micro = dataclasses.replace(cfg, update_micro_rows=4)
+  shape = train.update_shape(ro, micro)
+  rows = B + (cfg.replay.num_samples if cfg.replay is not None else 0)
+  assert shape["parts"] == (T,) * (rows // 4), shape
+  ref_params, ref_m = _step(cfg, g, params, ro, width=shape["width"])
+  got_params, got_m = _step(micro, g, params, ro, **shape)
+  assert ref_m["grad_norm"] > 0
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               ref_params, got_params)
+  for key in ("loss/policy", "grad_norm", "ledger/tokens_trained", "ledger/logp_drift_max"):
+    np.testing.assert_allclose(got_m[key], ref_m[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  assert got_m["ledger/update_parts"] == rows // 4
+  # 6 rows per micro-batch do not divide 16: the fewest parts that do (4 of 4 rows).
+  if cfg.replay is None:
+    assert train.update_shape(ro, dataclasses.replace(cfg, update_micro_rows=6))["parts"] == (
+        T,) * 4
+
+
 def test_micro_batch_widths_bound_their_rows_and_are_a_bounded_set():
   rng = np.random.default_rng(0)
   cfg = _config()
