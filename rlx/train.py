@@ -857,7 +857,8 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
                  scored: bool = True) -> dict:
   """The update's static shape for these rollouts: {"width", "rows", "parts"} for `update`
   (host side: reads the rows' lengths and signal flags, so it waits for the rollout).
-  scored=False (host rewards: the advantages do not exist yet): the width only."""
+  scored=False (host rewards: the advantages do not exist yet): the width, and with
+  `update_micro_rows` the micro-batches (from the lengths alone; no rows are left out)."""
   b = ro.batch
   if "ledger/longest_row" in ro.stats:  # from `score`: replicated scalars
     longest = int(distributed.to_host(ro.stats["ledger/longest_row"]))
@@ -876,10 +877,10 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
     total += replay_rows
   t = cfg.sampling.max_new_tokens
   shape = {"width": update_width(longest, t, cfg.update_buckets)}
-  if not scored:
+  if not scored and cfg.update_micro_rows <= 0:
     return shape
   one_mb = cfg.num_minibatches == 1
-  if cfg.drop_zero_adv_rows and one_mb and cfg.loss.kl_coef == 0:
+  if scored and cfg.drop_zero_adv_rows and one_mb and cfg.loss.kl_coef == 0:
     shape["rows"] = update_rows(signal, total, num_batch_devices)
   n = cfg.update_parts
   rows = shape.get("rows", total)

@@ -251,6 +251,32 @@ def test_gradient_accumulation_at_equal_widths_equals_the_whole_batch(case):
         T,) * 4
 
 
+def test_gradient_accumulation_on_the_host_reward_path():
+  """score_update (rewards from the host, advantages computed in the step): micro-batches
+  sized from the lengths alone (scored=False) give the same step as the whole batch."""
+  g, params, ro = _rollouts(seed=6)
+  cfg = _config()
+  micro = dataclasses.replace(cfg, update_micro_rows=4)
+  assert "parts" not in train.update_shape(ro, cfg, scored=False)
+  shape = train.update_shape(ro, micro, scored=False)
+  assert "rows" not in shape and len(shape["parts"]) == 4, shape
+  rewards = jnp.asarray(np.random.default_rng(6).integers(0, 2, B), jnp.float32)
+  mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
+  tx = optax.sgd(0.5)
+  out = []
+  for c, kw in ((cfg, {"width": shape["width"]}), (micro, shape)):
+    state = train.init_state(params, tx, 0, mesh, prompt_width=P, max_new_tokens=T)
+    fn = jax.jit(functools.partial(train.score_update, graphdef=g, cfg=c, tx=tx, **kw))
+    new_state, m = fn(state, ro, rewards)
+    out.append((new_state.params, jax.device_get(m)))
+  (ref_params, ref_m), (got_params, got_m) = out
+  assert ref_m["grad_norm"] > 0
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               ref_params, got_params)
+  np.testing.assert_allclose(got_m["loss/policy"], ref_m["loss/policy"], rtol=1e-4, atol=1e-6)
+  assert got_m["ledger/update_parts"] == 4
+
+
 def test_micro_batch_widths_bound_their_rows_and_are_a_bounded_set():
   rng = np.random.default_rng(0)
   cfg = _config()
