@@ -172,48 +172,9 @@ def test_the_kv_pool_line_follows_the_sampler_settings():
   assert "config.sampler.num_pages" in small.item("sampler KV pool (paged)").hint
 
 
-def test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows():
-  """T = 1024 completion tokens, vocabulary 32k: XLA's own memory analysis of the compiled
-  update (CPU), chunked vs not, and the plan's figure for each (no safety margin)."""
-  import functools
-  from rlx.model import ModelConfig
-  from rlx.sampler.sampling import SamplingParams
-  v, t, p, rows = 32000, 1024, 16, 8
-  model = ModelConfig(vocab_size=v, num_layers=2, d_model=64, num_heads=2, num_kv_heads=1,
-                      head_dim=16, mlp_dim=128)
-  graphdef, abstract = transformer.abstract_params(model)
-  tx = train.make_optimizer(1e-3, 10)
-  sds = jax.ShapeDtypeStruct
-  i32, f32 = jax.numpy.int32, jax.numpy.float32
-  ro = _abstract_rollouts(rows, p, t)
-  state = jax.eval_shape(lambda params: train.TrainState(
-      params=params, opt_state=tx.init(params), rng=jax.numpy.zeros((2,), jax.numpy.uint32),
-      step=jax.numpy.zeros((), i32), policy_version=jax.numpy.zeros((), i32)), abstract)
-
-  def xla_and_plan(chunk):
-    cfg = train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
-                           num_minibatches=1, loss=train.LossConfig(),
-                           sampling=SamplingParams(max_new_tokens=t), logprob_chunk=chunk)
-    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx),
-                 donate_argnums=0)
-    ma = fn.lower(state, ro).compile().memory_analysis()
-    config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
-                        "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
-                        "rl.logprob_chunk": chunk, "memory.activation_margin": 1.0})
-    planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
-    return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
-
-  full_xla, full_plan = xla_and_plan(0)
-  chunk_xla, chunk_plan = xla_and_plan(128)
-  assert full_xla >= 3 * chunk_xla, (full_xla, chunk_xla)
-  for xla, planned in ((full_xla, full_plan), (chunk_xla, chunk_plan)):
-    assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
-
-
-def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follows():
-  """rl.update_micro_rows=2 on 8 rows (T = 1024, vocabulary 32k): four micro-batches one
-  after the other. XLA's memory analysis of the compiled update shows one part's activations
-  live at a time (the optimization barrier between parts holds), and the plan follows."""
+def _update_xla_and_plan(chunk: int = 0, micro: int = 0) -> tuple[int, int]:
+  """XLA's memory analysis (temp + arguments) of the compiled update on 8 rows of T = 1024
+  completion tokens, vocabulary 32k (CPU), and the plan's grad phase (no safety margin)."""
   import functools
   from rlx.model import ModelConfig
   from rlx.sampler.sampling import SamplingParams
@@ -227,23 +188,37 @@ def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follow
   state = jax.eval_shape(lambda params: train.TrainState(
       params=params, opt_state=tx.init(params), rng=jax.numpy.zeros((2,), jax.numpy.uint32),
       step=jax.numpy.zeros((), i32), policy_version=jax.numpy.zeros((), i32)), abstract)
+  cfg = train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
+                         num_minibatches=1, loss=train.LossConfig(),
+                         sampling=SamplingParams(max_new_tokens=t), logprob_chunk=chunk,
+                         update_micro_rows=micro)
+  parts = (t,) * (rows // micro) if micro else None
+  fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx, parts=parts),
+               donate_argnums=0)
+  ma = fn.lower(state, ro).compile().memory_analysis()
+  config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
+                      "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
+                      "rl.logprob_chunk": chunk, "rl.update_micro_rows": micro,
+                      "memory.activation_margin": 1.0})
+  planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
+  return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
 
-  def xla_and_plan(micro):
-    cfg = train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
-                           num_minibatches=1, loss=train.LossConfig(),
-                           sampling=SamplingParams(max_new_tokens=t), update_micro_rows=micro)
-    parts = (t,) * (rows // micro) if micro else None
-    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx,
-                                   parts=parts), donate_argnums=0)
-    ma = fn.lower(state, ro).compile().memory_analysis()
-    config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
-                        "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
-                        "rl.update_micro_rows": micro, "memory.activation_margin": 1.0})
-    planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
-    return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
 
-  full_xla, full_plan = xla_and_plan(0)
-  micro_xla, micro_plan = xla_and_plan(2)
+def test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows():
+  """Chunked log-probs vs not: XLA's figure for each, and the plan's."""
+  full_xla, full_plan = _update_xla_and_plan()
+  chunk_xla, chunk_plan = _update_xla_and_plan(chunk=128)
+  assert full_xla >= 3 * chunk_xla, (full_xla, chunk_xla)
+  for xla, planned in ((full_xla, full_plan), (chunk_xla, chunk_plan)):
+    assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
+
+
+def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follows():
+  """rl.update_micro_rows=2 on 8 rows: four micro-batches one after the other. XLA's memory
+  analysis shows one part's activations live at a time (the scan over parts), and the plan
+  follows."""
+  full_xla, full_plan = _update_xla_and_plan()
+  micro_xla, micro_plan = _update_xla_and_plan(micro=2)
   assert full_xla >= 2.5 * micro_xla, (full_xla, micro_xla)
   for xla, planned in ((full_xla, full_plan), (micro_xla, micro_plan)):
     assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
