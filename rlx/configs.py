@@ -300,6 +300,10 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
         f"the training batch of {train_batch} rows (prompts_per_step * group_size"
         f"{' + replay.num_samples' if replay else ''}) does not split into "
         f"config.rl.num_minibatches={rl.num_minibatches} equal minibatches.")
+  micro = rl.get("update_micro_rows", 0)
+  _need(not micro or rl.num_minibatches == 1,
+        f"config.rl.update_micro_rows={micro} (gradient accumulation within one optimizer "
+        f"step) needs config.rl.num_minibatches=1, got {rl.num_minibatches}.")
   if replay:
     _need(replay.num_samples % num_batch_devices == 0,
           f"config.replay.num_samples={replay.num_samples} must be a multiple of the "
