@@ -37,7 +37,8 @@ step and reports when it is done), as a user runs either: one framework per proc
 --schedule=turns (default) interleaves the steps (rlx, TRL, rlx, ...), so both see the same
 machine load; --schedule=blocks runs all of rlx's steps, then all of each peer's, each
 trainer alone: its process starts for its block and has exited before the next one starts
-(an idle peer's memory would still be in the way: Tunix's process holds ~12 GB at 100M). --same_process runs both in this process (each rlx step in a TRL
+(an idle peer's memory would still be in the way: Tunix's process holds ~12 GB at 100M).
+--same_process runs both in this process (each rlx step in a TRL
 callback before TRL's step starts, outside its timing), the method this benchmark first used.
 The two trainers are not independent on this machine even in separate processes: XLA maps
 and unmaps its temporary buffer (~5 GB at 100M) in every update, 1.4M page faults, and what a
