@@ -112,9 +112,8 @@ def accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv) ->
     cfg = train.StepConfig(prompts_per_step=b // 8, group_size=8, advantage="grpo",
                            num_updates=1, num_minibatches=1, loss=LossConfig(),
                            sampling=SamplingParams(max_new_tokens=t), update_micro_rows=micro)
-    parts = (t,) * (b // micro) if micro else None
-    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx,
-                                   parts=parts))
+    shape = train.update_shape(ro, cfg)  # as the trainer sizes it: B's parts, A's none
+    fn = jax.jit(functools.partial(train.update, graphdef=graphdef, cfg=cfg, tx=tx, **shape))
     temps[name] = fn.lower(state, ro).compile().memory_analysis().temp_size_in_bytes
     jax.block_until_ready(fn(state, ro))  # compile + first run
     fns[name] = fn
@@ -128,7 +127,7 @@ def accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv) ->
       times[name].append(t1 - t0)
       print(f"  {name:24s} {t1 - t0:6.2f} s wall  {f1 - f0:9d} minor faults  "
             f"{s1 - s0:6.2f} s system", flush=True)
-  (a_name, a), (b_name, bt) = times.items()
+  a, bt = times.values()
   for name in fns:
     print(f"{name}: median {statistics.median(times[name]):.2f} s, XLA temp buffer "
           f"{temps[name] / 2**30:.2f} GB")

@@ -464,9 +464,7 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   if int(rl.num_minibatches) == 1 and 0 < micro < train_rows:
     # Gradient accumulation (`train.update_shape`): one micro-batch's activations live at a
     # time, the fewest equal parts of <= micro rows that split over the batch devices.
-    parts = next((k for k in range(_cdiv(train_rows, micro), train_rows + 1)
-                  if train_rows % (k * nb) == 0), 1)
-    mb_rows = _cdiv(train_rows // parts, nb)
+    mb_rows = _cdiv(train_rows // train.micro_parts(train_rows, micro, nb), nb)
   forward_passes = []
   if not rl_spec.fuse_pi_old or int(rl.num_minibatches) > 1:
     forward_passes.append("pi_old")

@@ -885,9 +885,8 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
   n = cfg.update_parts
   rows = shape.get("rows", total)
   micro = cfg.update_micro_rows > 0 and one_mb and rows > cfg.update_micro_rows
-  if micro:  # the fewest equal parts of <= update_micro_rows rows that split over the devices
-    n = next((k for k in range(-(-rows // cfg.update_micro_rows), rows + 1)
-              if rows % (k * num_batch_devices) == 0), 1)
+  if micro:
+    n = micro_parts(rows, cfg.update_micro_rows, num_batch_devices)
   split = n > 1 and one_mb and rows % (n * num_batch_devices) == 0 and (
       cfg.update_buckets > 1 or micro)
   if rows < total or split:
@@ -905,6 +904,13 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
       if len(set(widths)) > 1 or micro:
         shape["parts"] = widths
   return shape
+
+
+def micro_parts(rows: int, micro_rows: int, num_batch_devices: int = 1) -> int:
+  """`update_micro_rows`' part count: the fewest equal parts of <= micro_rows rows that split
+  over the batch devices (1: none does)."""
+  return next((k for k in range(-(-rows // micro_rows), rows + 1)
+               if rows % (k * num_batch_devices) == 0), 1)
 
 
 def part_widths(lengths_desc, parts: int, max_new_tokens: int, buckets: int) -> tuple:
