@@ -13,6 +13,9 @@ each and the median of the per-step ratios B / A.
   python experiments/ab_step_time.py --a=/tmp/wt_before --b=. --steps=30 -- \
       --config=experiments/arith.py --config.warm_start.dir=/tmp/rlx_arith/base
 
+To compare two configs of one checkout, give both the same path and the difference as
+--a_extra / --b_extra (e.g. --a=. --b=. --b_extra='--config.rl.update_micro_rows=32').
+
 Everything after `--` goes to both workers (config and its overrides); each worker uses its
 own workdir under --workdir_root. The workers use only APIs that bench_step.py has long
 used (trainer.build, the rollout / update halves), so an older checkout runs unchanged.
@@ -20,6 +23,7 @@ used (trainer.build, the rollout / update halves), so an older checkout runs unc
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -59,7 +63,9 @@ def worker(role: str, turn_dir: str, steps: int, workdir: str, config_argv: list
   from rlx import train, trainer  # pylint: disable=g-import-not-at-top
 
   cfg_flag = config_flags.DEFINE_config_file("config", "experiments/arith.py", "Config file.")
-  flags.FLAGS([sys.argv[0], *config_argv])
+  # ml_collections reads the --config.* overrides from sys.argv, not from the list parsed.
+  sys.argv = [sys.argv[0], *config_argv]
+  flags.FLAGS(sys.argv)
   setup = trainer.build(cfg_flag.value, workdir, log=lambda s: print(f"[{role}] {s}",
                                                                       file=sys.stderr))
   fns, state, cfg = setup.fns, setup.state, setup.step_cfg
@@ -98,12 +104,17 @@ def main(argv: list[str]) -> None:
   p.add_argument("--b", required=True, help="checkout B (PYTHONPATH of worker B)")
   p.add_argument("--steps", type=int, default=30, help="timed steps per worker")
   p.add_argument("--workdir_root", default="", help="workers' workdirs (default: a temp dir)")
+  p.add_argument("--a_extra", default="", help="config overrides for A only, e.g. "
+                 "'--config.rl.update_micro_rows=32' (shell-split, after the shared ones)")
+  p.add_argument("--b_extra", default="", help="config overrides for B only (as --a_extra)")
   p.add_argument("--role", choices=_ROLES, help=argparse.SUPPRESS)
   p.add_argument("--turn_dir", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   root = args.workdir_root or tempfile.mkdtemp(prefix="ab_step_time_")
   if args.role:
-    worker(args.role, args.turn_dir, args.steps, os.path.join(root, args.role), config_argv)
+    extra = args.a_extra if args.role == "A" else args.b_extra
+    worker(args.role, args.turn_dir, args.steps, os.path.join(root, args.role),
+           [*config_argv, *shlex.split(extra)])
     return
   turn_dir = tempfile.mkdtemp(prefix="ab_turn_")
   _set_turn(os.path.join(turn_dir, "turn"), "A-1")
@@ -113,6 +124,7 @@ def main(argv: list[str]) -> None:
     procs.append(subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), f"--a={args.a}", f"--b={args.b}",
          f"--steps={args.steps}", f"--workdir_root={root}", f"--role={role}",
+         f"--a_extra={args.a_extra}", f"--b_extra={args.b_extra}",
          f"--turn_dir={turn_dir}", "--", *config_argv], env=env))
   load0 = os.getloadavg()
   rcs = [proc.wait() for proc in procs]
@@ -125,8 +137,8 @@ def main(argv: list[str]) -> None:
       res[role] = json.load(f)
   print(f"\n{args.steps} steps each, A and B in turn; load average {load0[0]:.2f} at the start, "
         f"{load1[0]:.2f} at the end")
-  for role in _ROLES:
-    print(f"  {role}: rlx from {res[role]['rlx']}")
+  for role, extra in zip(_ROLES, (args.a_extra, args.b_extra)):
+    print(f"  {role}: rlx from {res[role]['rlx']}" + (f", with {extra}" if extra else ""))
   print(f"{'median s':12s}{'A':>9s}{'B':>9s}{'B / A':>8s}{'median of per-step B / A':>27s}")
   for j, name in enumerate(("generation", "update", "step")):
     get = lambda role: [t[0] + t[1] if j == 2 else t[j] for t in res[role]["times"]]

@@ -464,7 +464,8 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   if int(rl.num_minibatches) == 1 and 0 < micro < train_rows:
     # Gradient accumulation (`train.update_shape`): one micro-batch's activations live at a
     # time, the fewest equal parts of <= micro rows that split over the batch devices.
-    mb_rows = _cdiv(train_rows // train.micro_parts(train_rows, micro, nb), nb)
+    mb_rows = _cdiv(train_rows // train.micro_parts(
+        train_rows, micro, nb, rl_spec.update_parts), nb)
   forward_passes = []
   if not rl_spec.fuse_pi_old or int(rl.num_minibatches) > 1:
     forward_passes.append("pi_old")

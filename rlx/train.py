@@ -886,7 +886,7 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
   rows = shape.get("rows", total)
   micro = cfg.update_micro_rows > 0 and one_mb and rows > cfg.update_micro_rows
   if micro:
-    n = micro_parts(rows, cfg.update_micro_rows, num_batch_devices)
+    n = micro_parts(rows, cfg.update_micro_rows, num_batch_devices, cfg.update_parts)
   split = n > 1 and one_mb and rows % (n * num_batch_devices) == 0 and (
       cfg.update_buckets > 1 or micro)
   if rows < total or split:
@@ -899,18 +899,24 @@ def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
     # Rows left out need no columns: the width of the rows computed on.
     shape["width"] = update_width(int(chosen[-1]), t, cfg.update_buckets)
     if split:
-      widths = part_widths(chosen[::-1], n, t, cfg.update_buckets)
+      # Micro-batches take their widths from the update_parts length groups they fall in
+      # (each group: n / g parts at its longest row's width), so the compiled width tuples
+      # stay those of update_parts alone: per-part widths would give one program per
+      # non-increasing n-tuple of buckets (measured: a recompile most steps at n = 8).
+      g = cfg.update_parts if micro and n % cfg.update_parts == 0 else (1 if micro else n)
+      widths = tuple(w for w in part_widths(chosen[::-1], g, t, cfg.update_buckets)
+                     for _ in range(n // g))
       # Equal widths: one micro-batch does the same work, unless accumulation was asked for.
       if len(set(widths)) > 1 or micro:
         shape["parts"] = widths
   return shape
 
 
-def micro_parts(rows: int, micro_rows: int, num_batch_devices: int = 1) -> int:
+def micro_parts(rows: int, micro_rows: int, num_batch_devices: int = 1, groups: int = 1) -> int:
   """`update_micro_rows`' part count: the fewest equal parts of <= micro_rows rows that split
-  over the batch devices (1: none does)."""
-  return next((k for k in range(-(-rows // micro_rows), rows + 1)
-               if rows % (k * num_batch_devices) == 0), 1)
+  over the batch devices, a multiple of `groups` (update_parts) where one is (1: none does)."""
+  fits = [k for k in range(-(-rows // micro_rows), rows + 1) if rows % (k * num_batch_devices) == 0]
+  return next((k for k in fits if k % max(1, groups) == 0), fits[0] if fits else 1)
 
 
 def part_widths(lengths_desc, parts: int, max_new_tokens: int, buckets: int) -> tuple:

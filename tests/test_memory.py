@@ -199,6 +199,7 @@ def _update_xla_and_plan(chunk: int = 0, micro: int = 0) -> tuple[int, int]:
   config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
                       "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
                       "rl.logprob_chunk": chunk, "rl.update_micro_rows": micro,
+                      "rl.cpu_micro_tokens": 0,  # micro=0: the whole batch, as compiled
                       "memory.activation_margin": 1.0})
   planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
   return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
@@ -222,6 +223,26 @@ def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follow
   assert full_xla >= 2.5 * micro_xla, (full_xla, micro_xla)
   for xla, planned in ((full_xla, full_plan), (micro_xla, micro_plan)):
     assert abs(planned - xla) <= 0.15 * xla, (planned, xla)
+
+
+def test_cpu_micro_tokens_sets_the_micro_rows_on_cpu_only_where_nothing_else_does():
+  """rl.cpu_micro_tokens: on the CPU backend (these tests) with update_micro_rows=0 and one
+  minibatch, micro-batches of tokens // (max_prompt_len + max_new_tokens) rows; an explicit
+  update_micro_rows wins; several minibatches or 0 tokens turn it off; the plan follows."""
+  assert jax.default_backend() == "cpu"
+  base = {"sampler.max_prompt_len": 16, "sampler.max_new_tokens": 48, "rl.prompts_per_step": 8,
+          "rl.group_size": 8, "rl.cpu_micro_tokens": 1024}
+  micro = lambda **o: configs.resolve(_config(**{**base, **o})).rl.update_micro_rows
+  assert micro() == 1024 // 64
+  assert micro(**{"rl.cpu_micro_tokens": 100}) == 1  # fewer tokens than one row: one row
+  assert micro(**{"rl.update_micro_rows": 4}) == 4
+  assert micro(**{"rl.cpu_micro_tokens": 0}) == 0
+  assert micro(**{"rl.num_minibatches": 2}) == 0
+  model = _model(_config(**base))
+  grad = lambda **o: memory.plan(_config(**{**base, **o}), model, {"data": 1}).phase_bytes()[
+      "grad"]
+  assert grad() == grad(**{"rl.cpu_micro_tokens": 0, "rl.update_micro_rows": 16})
+  assert grad() < grad(**{"rl.cpu_micro_tokens": 0})
 
 
 # ----------------------------------------------------------------------------- LoRA

@@ -277,9 +277,13 @@ def test_gradient_accumulation_on_the_host_reward_path():
   assert got_m["ledger/update_parts"] == 4
 
 
-def test_micro_batch_widths_bound_their_rows_and_are_a_bounded_set():
+@pytest.mark.parametrize("micro", [0, 2])
+def test_micro_batch_widths_bound_their_rows_and_are_a_bounded_set(micro):
+  """micro=2: gradient accumulation in 8 parts of 2 rows (4 where half the rows are left
+  out); their widths are those of the update_parts=2 length groups, so the compiled shapes
+  stay as few as without it (one width per part gave a new program most steps)."""
   rng = np.random.default_rng(0)
-  cfg = _config()
+  cfg = dataclasses.replace(_config(), update_micro_rows=micro)
   keys = set()
   for _ in range(200):  # many batches of long-tailed lengths, some with zero-adv rows
     lengths = np.minimum(rng.geometric(rng.uniform(0.05, 0.5), B), T).astype(np.int32)
@@ -289,6 +293,8 @@ def test_micro_batch_widths_bound_their_rows_and_are_a_bounded_set():
     keys.add(tuple(sorted((k, v) for k, v in shape.items())))
     widths = shape.get("parts", (shape["width"],))
     assert list(widths) == sorted(widths, reverse=True) and widths[0] == shape["width"]
+    if micro:
+      assert len(widths) == shape.get("rows", B) // micro, shape
     # Every row the update computes on fits its micro-batch (as `update` orders them).
     rows = shape.get("rows", B)
     sig = adv != 0
