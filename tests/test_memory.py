@@ -351,7 +351,8 @@ def test_a_lora_update_with_kl_compiles_to_what_the_plan_says():
   config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4, "rl.kl_coef": 0.1,
                       "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
                       "rl.logprob_chunk": 128, "memory.activation_margin": 1.0,
-                      "lora.rank": 8, "lora.alpha": 16.0, "lora.base_dtype": "bfloat16"})
+                      "lora.rank": 8, "lora.alpha": 16.0, "lora.base_dtype": "bfloat16",
+                      "rl.cpu_micro_tokens": 0})  # the whole batch, as compiled below
   lc = configs.resolve(config).lora
   graphdef, abstract = transformer.abstract_params(model)
   tx = train.make_optimizer(1e-3, 10)
