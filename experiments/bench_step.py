@@ -115,6 +115,40 @@ def gemm_peak(n: int = 2048, reps: int = 5) -> float:
   return 2 * n ** 3 / _median_time(f, a, a, reps=reps)
 
 
+def update_gemms(model, rows: int, seq: int, width: int) -> list[tuple]:
+  """The matmuls of one forward + backward over a micro-batch of `rows` sequences of `seq`
+  tokens whose last `width` positions are scored, as (batch, m, k, n, count) per call: every
+  projection x @ W of every layer (q, k, v, o, gate, up, down) with its two backward GEMMs
+  (g @ W^T and x^T @ g), attention's QK^T and PV per row and head with theirs, and the
+  vocabulary projection over the scored positions. Llama / Qwen / Gemma-shaped models."""
+  t, d, hd = rows * seq, model.d_model, model.head_dim
+  q, kv, f, L = model.num_heads * hd, model.num_kv_heads * hd, model.mlp_dim, model.num_layers
+  out = []
+  for k_, n_, c in ((d, q, 1), (d, kv, 2), (q, d, 1), (d, f, 2), (f, d, 1)):
+    out += [(1, t, k_, n_, c * L), (1, t, n_, k_, c * L), (1, k_, t, n_, c * L)]
+  b = rows * model.num_heads  # scores = q k^T [seq, hd] x [hd, seq]; out = p v
+  for m_, k_, n_ in ((seq, hd, seq), (seq, seq, hd)):
+    out += [(b, m_, k_, n_, L), (b, m_, n_, k_, L), (b, k_, m_, n_, L)]
+  tv, v = rows * width, model.vocab_size
+  out += [(1, tv, d, v, 1), (1, tv, v, d, 1), (1, d, tv, v, 1)]
+  return out
+
+
+def gemm_floor(gemms, dtype, reps: int = 3) -> tuple[float, float]:
+  """(seconds, FLOPs) of these matmuls, each shape jitted and timed alone on this process's
+  XLA (median of `reps`), times its count: what the update would take if everything but its
+  GEMMs were free. A floor at the update's own shapes, where the square GEMM probe is the
+  machine's best case."""
+  total_s = total_f = 0.0
+  mm = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
+  for (bt, m, k, n, count) in gemms:
+    a = jnp.ones((bt, m, k), dtype)
+    b_ = jnp.ones((bt, k, n), dtype)
+    total_s += count * _median_time(mm, a, b_, reps=reps)
+    total_f += count * 2.0 * bt * m * k * n
+  return total_s, total_f
+
+
 def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
   """Bytes/s read + written by an elementwise pass over `mib` MiB (donated, in place)."""
   x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
@@ -227,15 +261,45 @@ def lora_sampling_compare(setup, state, prompts, prompt_lens, keys, reps: int) -
         f"{med['LoRA unmerged'] / med['LoRA merged']:.3f}x")
 
 
-def timed_step(fns, cfg, state, pool):
-  """One step as the trainer runs it: (state, rollouts, metrics, generation s, update s)."""
+def host_scorer(setup):
+  """The run's Python reward (task.reward, e.g. bench_peers' even_reward) as the trainer calls
+  it between the rollout and update halves, or None where the task's jnp verifier scores
+  in the jitted rollout. Without it a Python-reward config would be timed on the verifier's
+  rewards: all zero on a task it does not match, so every row would be dropped as signal-free
+  and the update would time next to nothing."""
+  fn = trainer.host_reward_fn(setup.spec)
+  if fn is None:
+    return None
+  score = jax.jit(functools.partial(train.score, cfg=setup.step_cfg, mesh=setup.mesh))
+  def scorer(state, ro):
+    rewards = trainer._host_rewards(ro.batch, setup.exp, fn, setup.mesh)  # pylint: disable=protected-access
+    # The scored batch (advantages set) for the phases, computed after the timing on the
+    # state the update returned (the one passed in is donated to it).
+    return rewards, lambda new_state: score(new_state, ro, rewards)[1]
+  return scorer
+
+
+def timed_step(fns, cfg, state, pool, host=None):
+  """One step as the trainer runs it: (state, rollouts, metrics, generation s, update s).
+  `host` (see `host_scorer`): generate, the Python reward on the host (timed as generation,
+  as the trainer counts it), then score + update in one call."""
   t0 = time.perf_counter()
-  state, ro = fns.rollout(state, pool)
-  shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
-  t1 = time.perf_counter()
-  state, m = fns.update(state, ro, **shape)
+  if host is None:
+    state, ro = fns.rollout(state, pool)
+    shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
+    t1 = time.perf_counter()
+    state, m = fns.update(state, ro, **shape)
+  else:
+    state, ro, _ = fns.generate(state, pool)
+    rewards, scored = host(state, ro)
+    shape = train.update_shape(ro, cfg, jax.device_count(), scored=False)
+    t1 = time.perf_counter()
+    state, m = fns.score_update(state, ro, rewards, **shape)
   m = jax.device_get(m)
-  return state, ro, m, t1 - t0, time.perf_counter() - t1
+  t2 = time.perf_counter()
+  if host is not None:
+    ro = scored(state)  # the batch the update saw (advantages set), for the phases below
+  return state, ro, m, t1 - t0, t2 - t1
 
 
 def sampler_compare(setup, state, pool, steps: int):
@@ -253,9 +317,10 @@ def sampler_compare(setup, state, pool, steps: int):
                                         jax.eval_shape(lambda: state)), dense_cfg)}
   rows = {name: [] for name in runs}
   ro = None
+  host = host_scorer(setup)
   for i in range(steps + 1):
     for name, (fns, c) in runs.items():  # interleaved: shared-machine noise hits both alike
-      state, ro_i, m, t_gen, t_upd = timed_step(fns, c, state, pool)
+      state, ro_i, m, t_gen, t_upd = timed_step(fns, c, state, pool, host)
       if name == "paged":
         ro = ro_i
       if i:  # the first round compiles
@@ -386,6 +451,22 @@ def _phases(setup, state, ro, rows, keys) -> None:
   print(f"{'update (in step)':24s}{np.median(upd):10.3f}{upd_flops / 1e9:10.2f}"
         f"{upd_flops / np.median(upd) / 1e9:10.1f}{upd_flops / np.median(upd) / peak:9.0%}  "
         f"{np.median(upd) / (upd_flops / peak):.2f}x the GEMM roofline")
+  if lc is None:  # the update's GEMMs alone, at its shapes (full fine-tuning's matmul set)
+    shape = train.update_shape(ro, cfg, jax.device_count())
+    n_rows = shape.get("rows", ro.batch.lengths.shape[0])
+    part_widths = tuple(shape.get("parts") or (shape["width"],))
+    micro = n_rows // len(part_widths)
+    prompt_w = ro.batch.prompts.shape[1]
+    floor_s = floor_f = 0.0
+    for w in part_widths:
+      fs, ff = gemm_floor(update_gemms(model, micro, prompt_w + int(w), int(w)),
+                          jnp.dtype(model.dtype))
+      floor_s, floor_f = floor_s + fs, floor_f + ff
+    print(f"{'GEMMs alone (floor)':24s}{floor_s:10.3f}{floor_f / 1e9:10.2f}"
+          f"{floor_f / floor_s / 1e9:10.1f}{floor_f / floor_s / peak:9.0%}  the update's "
+          f"matmuls at its shapes ({len(part_widths)} micro-batch(es) of {micro} rows x "
+          f"{prompt_w} + {'/'.join(map(str, part_widths))} tokens), each shape timed alone; "
+          f"update (in step) = {np.median(upd) / floor_s:.2f}x this floor")
   print(f"{'step':24s}{np.median(gen + upd):10.3f}")
   if lc is not None:
     fb, full_fb, fwd = (timed[k][1] for k in ("forward+backward", "fwd+bwd (full, ref)",
@@ -418,10 +499,11 @@ def main(_):
   pool = jax.device_put(setup.exp.train_pool, fns.pool_sharding)
   rows = []
   ro = None
+  host = host_scorer(setup)
   for i in range(max(_STEPS.value, 1) + 1):
     if i == 1 and _PROFILE.value:
       jax.profiler.start_trace(_PROFILE.value)
-    state, ro, m, t_gen, t_upd = timed_step(fns, cfg, state, pool)
+    state, ro, m, t_gen, t_upd = timed_step(fns, cfg, state, pool, host)
     if i == 1 and _PROFILE.value:
       jax.profiler.stop_trace()
       print(f"[bench_step] profile of step 1 written to {_PROFILE.value}")
