@@ -36,8 +36,8 @@ def test_update_gemms_count_what_xla_counts(kv_heads, vocab):
   ours = sum(2.0 * b * m * k * n * c for b, m, k, n, c in gemms)
   xla = _xla_flops_of_update(cfg, rows, prompt, width)
   # XLA's count adds the elementwise work (softmax, norms, activations) to the matmuls: ~1.5%
-  # here. The smallest matmul of the set (one of q's three per layer) is ~2% of the total, so
-  # leaving any one out fails.
+  # here. The smallest entry of the set (e.g. the q projection forward, all layers) is ~2% of the
+  # total, so leaving any one out fails.
   assert 0.97 * xla <= ours <= xla, (ours, xla)
 
 
