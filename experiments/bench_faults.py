@@ -43,7 +43,7 @@ def main() -> None:
   args = p.parse_args()
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from bench_peers import MODELS  # pylint: disable=g-import-not-at-top
-  from bench_step import gemm_peak  # pylint: disable=g-import-not-at-top
+  from rlx.experiments.roofline import gemm_peak  # pylint: disable=g-import-not-at-top
   cfg = MODELS[args.size]
   graphdef, params = transformer.init_params(cfg, 0)
   rng = np.random.default_rng(0)
@@ -74,7 +74,7 @@ def main() -> None:
           f"{r1.ru_utime - r0.ru_utime:6.2f} s user"
           + (f"  ({sys_s / faults * 1e6:.1f} us system per fault)" if faults else ""))
   print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB; "
-        f"f32 GEMM probe (bench_step.gemm_peak) {gemm_peak() / 1e9:.0f} GFLOP/s")
+        f"f32 GEMM probe (roofline.gemm_peak) {gemm_peak() / 1e9:.0f} GFLOP/s")
 
 
 def _usage() -> tuple:
@@ -87,7 +87,7 @@ def accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv) ->
   import functools  # pylint: disable=g-import-not-at-top
   import statistics  # pylint: disable=g-import-not-at-top
   from rlx.rl.loss import LossConfig  # pylint: disable=g-import-not-at-top
-  from bench_step import gemm_peak  # pylint: disable=g-import-not-at-top
+  from rlx.experiments.roofline import gemm_peak  # pylint: disable=g-import-not-at-top
   from rlx import sharding as shd  # pylint: disable=g-import-not-at-top
   from rlx.sampler.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
   b, t = comps.shape

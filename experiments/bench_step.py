@@ -72,6 +72,8 @@ from rlx import evaluate, train, trainer
 from rlx import sharding as shd
 from rlx.model import lora as lora_lib
 from rlx.rl.loss import policy_loss
+from rlx.experiments.roofline import (copy_bandwidth, gemm_floor, gemm_peak, median_time,
+                                      update_gemms, xla_flops)
 from rlx.sampler import dense, paged
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/arith.py", "Config file.")
@@ -90,77 +92,6 @@ _COMPARE_REPS = flags.DEFINE_integer("compare_reps", 9, "Interleaved rounds of t
 _SAMPLER_COMPARE = flags.DEFINE_boolean(
     "sampler_compare", False, "Also run the step with the dense sampler, interleaved with the "
     "paged one, and print the paged sampler's own statistics (slots, KV held vs stored).")
-
-
-def _median_time(fn, *args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
-def _flops(jitted, *args) -> float:
-  cost = jitted.lower(*args).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get("flops", 0.0)) if cost else 0.0
-
-
-def gemm_peak(n: int = 2048, reps: int = 5) -> float:
-  """f32 FLOP/s of an n x n x n matmul on the default device (this process, now)."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda x, y: x @ y)
-  return 2 * n ** 3 / _median_time(f, a, a, reps=reps)
-
-
-def update_gemms(model, rows: int, seq: int, width: int) -> list[tuple]:
-  """The matmuls of one forward + backward over a micro-batch of `rows` sequences of `seq`
-  tokens whose last `width` positions are scored, as (batch, m, k, n, count) per call: every
-  projection x @ W of every layer (q, k, v, o, gate, up, down) with its two backward GEMMs
-  (g @ W^T and x^T @ g), attention's QK^T and PV per row and head with theirs, and the
-  vocabulary projection over the scored positions. Llama / Qwen / Gemma-shaped models."""
-  t, d, hd = rows * seq, model.d_model, model.head_dim
-  q, kv, f, L = model.num_heads * hd, model.num_kv_heads * hd, model.mlp_dim, model.num_layers
-  out = []
-  for k_, n_, c in ((d, q, 1), (d, kv, 2), (q, d, 1), (d, f, 2), (f, d, 1)):
-    out += [(1, t, k_, n_, c * L), (1, t, n_, k_, c * L), (1, k_, t, n_, c * L)]
-  b = rows * model.num_heads  # scores = q k^T [seq, hd] x [hd, seq]; out = p v
-  for m_, k_, n_ in ((seq, hd, seq), (seq, seq, hd)):
-    out += [(b, m_, k_, n_, L), (b, m_, n_, k_, L), (b, k_, m_, n_, L)]
-  tv, v = rows * width, model.vocab_size
-  out += [(1, tv, d, v, 1), (1, tv, v, d, 1), (1, d, tv, v, 1)]
-  return out
-
-
-def gemm_floor(gemms, dtype, reps: int = 3) -> tuple[float, float]:
-  """(seconds, FLOPs) of these matmuls, each shape jitted and timed alone on this process's
-  XLA (median of `reps`), times its count: what the update would take if everything but its
-  GEMMs were free. A floor at the update's own shapes, where the square GEMM probe is the
-  machine's best case."""
-  total_s = total_f = 0.0
-  mm = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
-  for (bt, m, k, n, count) in gemms:
-    a = jnp.ones((bt, m, k), dtype)
-    b_ = jnp.ones((bt, k, n), dtype)
-    total_s += count * _median_time(mm, a, b_, reps=reps)
-    total_f += count * 2.0 * bt * m * k * n
-  return total_s, total_f
-
-
-def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
-  """Bytes/s read + written by an elementwise pass over `mib` MiB (donated, in place)."""
-  x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
-  f = jax.jit(lambda v: v + 1.0, donate_argnums=0)
-  for _ in range(2):
-    x = f(x)
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    x = jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t0)
-  return 2 * x.nbytes / statistics.median(times)
 
 
 def eval_vs_sampler(setup, params, reps: int) -> tuple[float, float, str]:
@@ -404,7 +335,7 @@ def _phases(setup, state, ro, rows, keys) -> None:
     merged = jax.jit(lora_lib.merge, static_argnums=2)(base, params, lc)
     phases["fwd+bwd (full, ref)"] = (jax.jit(jax.value_and_grad(model_loss)), (merged, batch))
   phases["optimizer"] = (opt, (params, state.opt_state, grads))
-  timed = {name: (_median_time(fn, *args, reps=reps), _flops(fn, *args))
+  timed = {name: (median_time(fn, *args, reps=reps), xla_flops(fn, *args))
            for name, (fn, args) in phases.items()}
   peak = gemm_peak()
   bw = copy_bandwidth()

@@ -1,13 +1,14 @@
-"""experiments/bench_step.py: the update's GEMM floor counts the matmuls the update computes
-(its FLOPs equal XLA's count of the forward + backward within the elementwise remainder),
-and times them."""
+"""experiments/roofline.py (what bench_step.py reports against): the update's GEMM floor
+counts the matmuls the update computes (their FLOPs equal XLA's count of the forward +
+backward within the elementwise remainder), and times them. No flags: importable next to the
+experiment scripts that define theirs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import bench_step
+from rlx.experiments import roofline
 from rlx import train
 from rlx.model import ModelConfig, init_params
 
@@ -24,7 +25,7 @@ def _xla_flops_of_update(cfg: ModelConfig, rows: int, prompt: int, width: int) -
     lp, mask = train.completion_logprobs(g, p, prompts, prompt_lens, completions, lengths, 1.0)
     return jnp.sum(lp * mask)
 
-  return bench_step._flops(jax.jit(jax.value_and_grad(loss)), params)  # pylint: disable=protected-access
+  return roofline.xla_flops(jax.jit(jax.value_and_grad(loss)), params)
 
 
 @pytest.mark.parametrize("kv_heads,vocab", [(2, 2048), (4, 512)])
@@ -32,7 +33,7 @@ def test_update_gemms_count_what_xla_counts(kv_heads, vocab):
   cfg = ModelConfig(vocab_size=vocab, num_layers=2, d_model=128, num_heads=4,
                     num_kv_heads=kv_heads, head_dim=32, mlp_dim=256)
   rows, prompt, width = 8, 6, 24
-  gemms = bench_step.update_gemms(cfg, rows, prompt + width, width)
+  gemms = roofline.update_gemms(cfg, rows, prompt + width, width)
   ours = sum(2.0 * b * m * k * n * c for b, m, k, n, c in gemms)
   xla = _xla_flops_of_update(cfg, rows, prompt, width)
   # XLA's count adds the elementwise work (softmax, norms, activations) to the matmuls: ~1.5%
@@ -43,6 +44,6 @@ def test_update_gemms_count_what_xla_counts(kv_heads, vocab):
 
 def test_gemm_floor_times_every_shape_and_counts_its_flops():
   gemms = [(1, 16, 8, 4, 3), (2, 4, 4, 4, 1)]
-  seconds, flops = bench_step.gemm_floor(gemms, jnp.float32, reps=1)
+  seconds, flops = roofline.gemm_floor(gemms, jnp.float32, reps=1)
   assert flops == 3 * 2 * 16 * 8 * 4 + 2 * 2 * 4 * 4 * 4
   assert seconds > 0
