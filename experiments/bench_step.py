@@ -20,6 +20,11 @@ compilation and prints medians of:
   fwd+bwd (full)   LoRA only, for reference: the same loss differentiated w.r.t. every weight
                    of the merged model (what full fine-tuning computes on this batch)
   optimizer        the optax update + apply on the trainable params (LoRA: the adapters)
+  GEMMs alone      full fine-tuning only: the update's matmuls (every projection's forward
+                   and two backward GEMMs, attention's QK^T / PV, the vocabulary projection),
+                   each shape timed alone at the update's micro-batch shapes
+                   (rlx.experiments.roofline.update_gemms): a floor at its own shapes, where
+                   the square GEMM probe is the machine's best case
   evaluation       the run's held-out evaluation (rlx.evaluate.Evaluator: greedy, the run's
                    sampler impl and PagedConfig, eval_batch_size batches, scored by the
                    task's jnp verifier, results on the host), on train.policy_params as the
@@ -35,7 +40,8 @@ compute time (2 x the decoded weights' FLOPs per generated token at the GEMM pea
 LoRA adds its 2 r (in + out) per adapted matrix). Under LoRA the forward+backward's FLOPs
 are XLA's count of what the LoRA backward computes (~2x its forward, against ~3x for full
 fine-tuning, which also forms every weight gradient); the ratio to the full fine-tuning
-reference is printed. --profile_dir writes a jax.profiler trace of one step (open with
+reference is printed. A config with a Python reward (task.reward) is stepped as the trainer
+steps it: generate, the reward on the host (counted as generation), score + update. --profile_dir writes a jax.profiler trace of one step (open with
 TensorBoard or Perfetto).
 
 --lora_sampling_compare (needs --config.lora.rank > 0) then times, interleaved in this
