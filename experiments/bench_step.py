@@ -41,8 +41,8 @@ LoRA adds its 2 r (in + out) per adapted matrix). Under LoRA the forward+backwar
 are XLA's count of what the LoRA backward computes (~2x its forward, against ~3x for full
 fine-tuning, which also forms every weight gradient); the ratio to the full fine-tuning
 reference is printed. A config with a Python reward (task.reward) is stepped as the trainer
-steps it: generate, the reward on the host (counted as generation), score + update. --profile_dir writes a jax.profiler trace of one step (open with
-TensorBoard or Perfetto).
+steps it: generate, the reward on the host (counted as generation), score + update.
+--profile_dir writes a jax.profiler trace of one step (open with TensorBoard or Perfetto).
 
 --lora_sampling_compare (needs --config.lora.rank > 0) then times, interleaved in this
 process on the same prompts, keys and adapters (the ones the timed steps trained), the
@@ -61,6 +61,8 @@ projection), and the merge alone; medians and ratios.
   python experiments/bench_step.py --config=experiments/arith.py --workdir=/tmp/b_lora \
       --config.warm_start.dir=/tmp/rlx_arith/base --config.lora.rank=8 \
       --lora_sampling_compare                  # LoRA: merged vs unmerged vs full sampling
+  python experiments/bench_step.py --config=experiments/bench_peers_config.py:/tmp/p100 \
+      --workdir=/tmp/p100/step --steps=3       # bench_peers' workload (see that config)
 """
 
 import functools
@@ -208,7 +210,7 @@ def host_scorer(setup):
   if fn is None:
     return None
   score = jax.jit(functools.partial(train.score, cfg=setup.step_cfg, mesh=setup.mesh))
-  def scorer(state, ro):
+  def scorer(ro):
     rewards = trainer._host_rewards(ro.batch, setup.exp, fn, setup.mesh)  # pylint: disable=protected-access
     # The scored batch (advantages set) for the phases, computed after the timing on the
     # state the update returned (the one passed in is donated to it).
@@ -228,7 +230,7 @@ def timed_step(fns, cfg, state, pool, host=None):
     state, m = fns.update(state, ro, **shape)
   else:
     state, ro, _ = fns.generate(state, pool)
-    rewards, scored = host(state, ro)
+    rewards, scored = host(ro)
     shape = train.update_shape(ro, cfg, jax.device_count(), scored=False)
     t1 = time.perf_counter()
     state, m = fns.score_update(state, ro, rewards, **shape)

@@ -28,18 +28,24 @@ def _xla_flops_of_update(cfg: ModelConfig, rows: int, prompt: int, width: int) -
   return roofline.xla_flops(jax.jit(jax.value_and_grad(loss)), params)
 
 
-@pytest.mark.parametrize("kv_heads,vocab", [(2, 2048), (4, 512)])
-def test_update_gemms_count_what_xla_counts(kv_heads, vocab):
-  cfg = ModelConfig(vocab_size=vocab, num_layers=2, d_model=128, num_heads=4,
-                    num_kv_heads=kv_heads, head_dim=32, mlp_dim=256)
-  rows, prompt, width = 8, 6, 24
+# (model dims, rows, prompt, width, lower bound on ours / XLA's). XLA's count adds the
+# elementwise work (softmax, norms, activations) to the matmuls. Every entry of the set is
+# caught in one case: the projection-heavy ones measure 0.985 with each projection or
+# vocabulary entry >= 2.1% of the total (attention's are 0.5% there); the attention-heavy one
+# (256-token rows, head_dim 64) measures 0.975 with each attention entry ~9.5%.
+@pytest.mark.parametrize("dims,rows,prompt,width,low", [
+    ((128, 4, 2, 32, 256, 2048), 8, 6, 24, 0.97),
+    ((128, 4, 4, 32, 256, 512), 8, 6, 24, 0.97),
+    ((64, 4, 4, 64, 128, 64), 2, 6, 250, 0.93),
+])
+def test_update_gemms_count_what_xla_counts(dims, rows, prompt, width, low):
+  d, heads, kv_heads, head_dim, mlp, vocab = dims
+  cfg = ModelConfig(vocab_size=vocab, num_layers=2, d_model=d, num_heads=heads,
+                    num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=mlp)
   gemms = roofline.update_gemms(cfg, rows, prompt + width, width)
   ours = sum(2.0 * b * m * k * n * c for b, m, k, n, c in gemms)
   xla = _xla_flops_of_update(cfg, rows, prompt, width)
-  # XLA's count adds the elementwise work (softmax, norms, activations) to the matmuls: ~1.5%
-  # here. The smallest entry of the set (e.g. the q projection forward, all layers) is ~2% of the
-  # total, so leaving any one out fails.
-  assert 0.97 * xla <= ours <= xla, (ours, xla)
+  assert low * xla <= ours <= xla, (ours, xla)
 
 
 def test_gemm_floor_times_every_shape_and_counts_its_flops():
