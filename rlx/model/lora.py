@@ -28,6 +28,7 @@ no second copy of the weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -109,10 +110,58 @@ class LoRAWeight:
     return (self.w.astype(jnp.float32) + self.scale * delta).astype(dtype or self.w.dtype)
 
 
+def _weight_grad_lhs(x2):
+  """x^T for the weight gradient x^T @ g. On CPU, materialised: XLA:CPU otherwise folds the
+  transpose into a dot contracting both operands' leading (token) dimension, which it runs
+  through a slower GEMM path after a transposing copy of g fused with the activation's
+  backward (profiled at 100M: ~40 ms per MLP per micro-batch for an 8.8 MB copy, and the
+  weight-gradient GEMMs off the fast library path). Elsewhere XLA folds it into the GEMM."""
+  xt = jnp.transpose(x2)
+  return jax.lax.optimization_barrier(xt) if jax.default_backend() == "cpu" else xt
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x2, w, out_dtype=None):
+  """x2 [N, in] @ w [in, out] -> [N, out] (dtype out_dtype, default x2's), with a backward
+  that forms its two GEMMs as plain row-major products: dx = g @ w^T and dw = x2^T @ g. The
+  values are autodiff's of the same product (tests/test_model.py compares them)."""
+  return jax.lax.dot_general(x2, w, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _dense_fwd(x2, w, out_dtype):
+  return dense(x2, w, out_dtype), (x2, w)
+
+
+def _dense_bwd(out_dtype, res, g):
+  del out_dtype
+  x2, w = res
+  dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  dw = jax.lax.dot_general(_weight_grad_lhs(x2), g, (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+  return dx.astype(x2.dtype), dw.astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def _is_projection(eq: str) -> bool:
+  """eq is "<lead>i,io-><lead>o": x's last axis contracted with w's first, w's second last."""
+  ins, out = eq.split("->")
+  xs, ws = ins.split(",")
+  return (len(ws) == 2 and len(xs) >= 2 and xs[-1] == ws[0] and out == xs[:-1] + ws[1]
+          and len(set(xs + ws[1])) == len(xs) + 1)
+
+
 def linear(eq: str, x, w, dtype, **kwargs):
   """einsum(eq, x, w) for a projection weight w [in, out] (`eq` like "btd,de->bte"), taking
-  the unmerged low-rank path when w is a LoRAWeight."""
+  the unmerged low-rank path when w is a LoRAWeight, and `dense` (its backward as two plain
+  GEMMs) for a plain weight."""
   if not isinstance(w, LoRAWeight):
+    if _is_projection(eq) and set(kwargs) <= {"preferred_element_type"}:
+      lead = x.shape[:-1]
+      y = dense(x.reshape(-1, x.shape[-1]), w.astype(dtype),
+                kwargs.get("preferred_element_type"))
+      return y.reshape(*lead, w.shape[-1])
     return jnp.einsum(eq, x, w.astype(dtype), **kwargs)
   ins, out = eq.split("->")
   xs, ws = ins.split(",")

@@ -122,3 +122,57 @@ def test_bf16_is_selectable_and_close():
 def test_bad_model_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(BASE, **kwargs)
+
+
+def _autodiff_dense(x2, w, out_dtype=None):
+  return jax.lax.dot_general(x2, w, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mha_untied", "qwen2_bias", "gemma2"])
+def test_projection_backward_equals_autodiff(name, monkeypatch):
+  """The projections' hand-written backward (rlx.model.lora.dense: dw = x^T @ g as a plain
+  GEMM) gives autodiff's gradients for every parameter of the model."""
+  from rlx.model import lora, transformer  # pylint: disable=g-import-not-at-top
+  cfg = VARIANTS[name]
+  g, params = init_params(cfg, 0)
+  params = _randomize(params)
+  tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(9), (3, 9))
+  adv = jnp.asarray([1.0, -0.5, 2.0])
+
+  def loss(p):
+    lp = transformer.token_logprobs(g, p, tokens, pos, jnp.ones((3, 9), bool), first=2)
+    return (lp * adv[:, None]).sum()
+
+  ours = jax.jit(jax.value_and_grad(loss))(params)
+  monkeypatch.setattr(lora, "dense", _autodiff_dense)
+  ref = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(ref[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, out", [(jnp.float32, None), (jnp.bfloat16, None),
+                                        (jnp.bfloat16, jnp.float32)])
+def test_dense_values_and_gradients(dtype, out):
+  from rlx.model import lora  # pylint: disable=g-import-not-at-top
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (6, 5), jnp.float32).astype(dtype)
+  w = jax.random.normal(kw, (5, 7), jnp.float32).astype(dtype)
+  r = jax.random.normal(kg, (6, 7), jnp.float32)
+  y = lora.dense(x, w, out)
+  assert y.dtype == (out or dtype)
+  f = lambda fn: jax.grad(lambda x, w: (fn(x, w, out).astype(jnp.float32) * r).sum(), (0, 1))
+  (dx, dw), (rx, rw) = f(lora.dense)(x, w), f(_autodiff_dense)(x, w)
+  assert dx.dtype == dtype and dw.dtype == dtype
+  tol = 1e-6 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.float32(dx), np.float32(rx), rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.float32(dw), np.float32(rw), rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.float32(dw), np.float32(x).T @ np.asarray(r), rtol=tol, atol=tol)
+
+
+def test_only_projection_equations_take_the_dense_path():
+  from rlx.model import lora  # pylint: disable=g-import-not-at-top
+  assert lora._is_projection("btd,de->bte") and lora._is_projection("bd,de->be")
+  for eq in ("btd,ed->bte", "btd,de->bet", "btd,dd->btd", "btd,de->bt", "bte,ed->bte"):
+    assert not lora._is_projection(eq), eq
