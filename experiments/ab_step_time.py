@@ -18,7 +18,9 @@ To compare two configs of one checkout, give both the same path and the differen
 
 Everything after `--` goes to both workers (config and its overrides); each worker uses its
 own workdir under --workdir_root. The workers use only APIs that bench_step.py has long
-used (trainer.build, the rollout / update halves), so an older checkout runs unchanged.
+used (trainer.build, the rollout / update halves; with a Python reward, task.reward, the
+generate / host reward / score + update split bench_step.py times), so an older checkout
+runs unchanged.
 """
 
 import json
@@ -72,12 +74,22 @@ def worker(role: str, turn_dir: str, steps: int, workdir: str, config_argv: list
   pool = jax.device_put(setup.exp.train_pool, fns.pool_sharding)
   turn = os.path.join(turn_dir, "turn")
 
+  host_fn = trainer.host_reward_fn(setup.spec)
+
   def step(state):
     t0 = time.perf_counter()
-    state, ro = fns.rollout(state, pool)
-    shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
-    t1 = time.perf_counter()
-    state, m = fns.update(state, ro, **shape)
+    if host_fn is None:
+      state, ro = fns.rollout(state, pool)
+      shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
+      t1 = time.perf_counter()
+      state, m = fns.update(state, ro, **shape)
+    else:  # a Python reward (task.reward): scored on the host between the halves, as the
+      # trainer does; the jnp verifier's rewards would leave the update nothing to compute.
+      state, ro, _ = fns.generate(state, pool)
+      rewards = trainer._host_rewards(ro.batch, setup.exp, host_fn, setup.mesh)  # pylint: disable=protected-access
+      shape = train.update_shape(ro, cfg, jax.device_count(), scored=False)
+      t1 = time.perf_counter()
+      state, m = fns.score_update(state, ro, rewards, **shape)
     jax.device_get(m)
     return state, (t1 - t0, time.perf_counter() - t1)
 
