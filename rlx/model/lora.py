@@ -124,7 +124,7 @@ def _weight_grad_lhs(x2):
 def dense(x2, w, out_dtype=None):
   """x2 [N, in] @ w [in, out] -> [N, out] (dtype out_dtype, default x2's), with a backward
   that forms its two GEMMs as plain row-major products: dx = g @ w^T and dw = x2^T @ g. The
-  values are autodiff's of the same product (tests/test_model.py compares them)."""
+  values are autodiff's of the same product (tests/model/test_transformer.py compares them)."""
   return jax.lax.dot_general(x2, w, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
