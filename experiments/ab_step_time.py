@@ -17,10 +17,10 @@ To compare two configs of one checkout, give both the same path and the differen
 --a_extra / --b_extra (e.g. --a=. --b=. --b_extra='--config.rl.update_micro_rows=32').
 
 Everything after `--` goes to both workers (config and its overrides); each worker uses its
-own workdir under --workdir_root. The workers use only APIs that bench_step.py has long
-used (trainer.build, the rollout / update halves; with a Python reward, task.reward, the
-generate / host reward / score + update split bench_step.py times), so an older checkout
-runs unchanged.
+own workdir under --workdir_root. The workers time the step bench_step.py times
+(experiments/step_timing.py, from this tree: trainer.build's rollout / update halves, or with
+a Python reward, task.reward, generate / host reward / score + update), using only APIs rlx
+has long had, so an older checkout runs unchanged.
 """
 
 import json
@@ -62,7 +62,7 @@ def worker(role: str, turn_dir: str, steps: int, workdir: str, config_argv: list
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
   import rlx  # pylint: disable=g-import-not-at-top
-  from rlx import train, trainer  # pylint: disable=g-import-not-at-top
+  from rlx import trainer  # pylint: disable=g-import-not-at-top
 
   cfg_flag = config_flags.DEFINE_config_file("config", "experiments/arith.py", "Config file.")
   # ml_collections reads the --config.* overrides from sys.argv, not from the list parsed.
@@ -74,24 +74,13 @@ def worker(role: str, turn_dir: str, steps: int, workdir: str, config_argv: list
   pool = jax.device_put(setup.exp.train_pool, fns.pool_sharding)
   turn = os.path.join(turn_dir, "turn")
 
-  host_fn = trainer.host_reward_fn(setup.spec)
+  # This file's directory is sys.path[0]: the current tree's helper, against the checkout's rlx.
+  from step_timing import host_scorer, timed_step  # pylint: disable=g-import-not-at-top
+  host = host_scorer(setup)
 
   def step(state):
-    t0 = time.perf_counter()
-    if host_fn is None:
-      state, ro = fns.rollout(state, pool)
-      shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
-      t1 = time.perf_counter()
-      state, m = fns.update(state, ro, **shape)
-    else:  # a Python reward (task.reward): scored on the host between the halves, as the
-      # trainer does; the jnp verifier's rewards would leave the update nothing to compute.
-      state, ro, _ = fns.generate(state, pool)
-      rewards = trainer._host_rewards(ro.batch, setup.exp, host_fn, setup.mesh)  # pylint: disable=protected-access
-      shape = train.update_shape(ro, cfg, jax.device_count(), scored=False)
-      t1 = time.perf_counter()
-      state, m = fns.score_update(state, ro, rewards, **shape)
-    jax.device_get(m)
-    return state, (t1 - t0, time.perf_counter() - t1)
+    state, _, _, _, t_gen, t_upd = timed_step(fns, cfg, state, pool, host)
+    return state, (t_gen, t_upd)
 
   times = []
   for k in range(-1, steps):  # k = -1: the compiling step, also taken in turn

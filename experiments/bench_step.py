@@ -83,6 +83,7 @@ from rlx.model import lora as lora_lib
 from rlx.rl.loss import policy_loss
 from rlx.experiments.roofline import (copy_bandwidth, gemm_floor, gemm_peak, median_time,
                                       update_gemms, xla_flops)
+from rlx.experiments.step_timing import host_scorer, timed_step
 from rlx.sampler import dense, paged
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/arith.py", "Config file.")
@@ -201,47 +202,6 @@ def lora_sampling_compare(setup, state, prompts, prompt_lens, keys, reps: int) -
         f"{med['LoRA unmerged'] / med['LoRA merged']:.3f}x")
 
 
-def host_scorer(setup):
-  """The run's Python reward (task.reward, e.g. bench_peers' even_reward) as the trainer calls
-  it between the rollout and update halves, or None where the task's jnp verifier scores
-  in the jitted rollout. Without it a Python-reward config would be timed on the verifier's
-  rewards: all zero on a task it does not match, so every row would be dropped as signal-free
-  and the update would time next to nothing."""
-  fn = trainer.host_reward_fn(setup.spec)
-  if fn is None:
-    return None
-  score = jax.jit(functools.partial(train.score, cfg=setup.step_cfg, mesh=setup.mesh))
-  def scorer(ro):
-    rewards = trainer._host_rewards(ro.batch, setup.exp, fn, setup.mesh)  # pylint: disable=protected-access
-    # The scored batch (advantages set) for the phases, computed after the timing on the
-    # state the update returned (the one passed in is donated to it).
-    return rewards, lambda new_state: score(new_state, ro, rewards)[1]
-  return scorer
-
-
-def timed_step(fns, cfg, state, pool, host=None):
-  """One step as the trainer runs it: (state, rollouts, metrics, generation s, update s).
-  `host` (see `host_scorer`): generate, the Python reward on the host (timed as generation,
-  as the trainer counts it), then score + update in one call."""
-  t0 = time.perf_counter()
-  if host is None:
-    state, ro = fns.rollout(state, pool)
-    shape = train.update_shape(ro, cfg, jax.device_count())  # waits for the rollout
-    t1 = time.perf_counter()
-    state, m = fns.update(state, ro, **shape)
-  else:
-    state, ro, _ = fns.generate(state, pool)
-    rewards, scored = host(ro)
-    shape = train.update_shape(ro, cfg, jax.device_count(), scored=False)
-    t1 = time.perf_counter()
-    state, m = fns.score_update(state, ro, rewards, **shape)
-  m = jax.device_get(m)
-  t2 = time.perf_counter()
-  if host is not None:
-    ro = scored(state)  # the batch the update saw (advantages set), for the phases below
-  return state, ro, m, t1 - t0, t2 - t1
-
-
 def sampler_compare(setup, state, pool, steps: int):
   """Steps with the paged and the dense sampler in the loop, interleaved (same state chain,
   same update), then the paged sampler's statistics on the last batch's prompts and keys."""
@@ -260,7 +220,7 @@ def sampler_compare(setup, state, pool, steps: int):
   host = host_scorer(setup)
   for i in range(steps + 1):
     for name, (fns, c) in runs.items():  # interleaved: shared-machine noise hits both alike
-      state, ro_i, m, t_gen, t_upd = timed_step(fns, c, state, pool, host)
+      state, ro_i, _, m, t_gen, t_upd = timed_step(fns, c, state, pool, host)
       if name == "paged":
         ro = ro_i
       if i:  # the first round compiles
@@ -446,7 +406,7 @@ def main(_):
   for i in range(max(_STEPS.value, 1) + 1):
     if i == 1 and _PROFILE.value:
       jax.profiler.start_trace(_PROFILE.value)
-    state, ro, m, t_gen, t_upd = timed_step(fns, cfg, state, pool, host)
+    state, ro, rewards, m, t_gen, t_upd = timed_step(fns, cfg, state, pool, host)
     if i == 1 and _PROFILE.value:
       jax.profiler.stop_trace()
       print(f"[bench_step] profile of step 1 written to {_PROFILE.value}")
@@ -454,6 +414,9 @@ def main(_):
       rows.append((t_gen, t_upd, float(m["ledger/tokens_generated"]),
                    float(m["ledger/update_pad_frac"]), int(m["ledger/update_width"])))
       probes.append(gemm_peak(reps=2))  # the roofline, sampled under each step's conditions
+  if rewards is not None:  # the last batch as the update saw it (advantages set), for the
+    # phases; scored on the state the update returned (the one passed in was donated to it)
+    ro = jax.jit(functools.partial(train.score, cfg=cfg, mesh=setup.mesh))(state, ro, rewards)[1]
   keys = jax.random.split(jax.random.key(1), ro.batch.prompts.shape[0])
   if _PHASES.value:
     _phases(setup, state, ro, rows, keys, probes)
