@@ -152,25 +152,23 @@ def _is_projection(eq: str) -> bool:
           and len(set(xs + ws[1])) == len(xs) + 1)
 
 
-def linear(eq: str, x, w, dtype, **kwargs):
-  """einsum(eq, x, w) for a projection weight w [in, out] (`eq` like "btd,de->bte"), taking
-  the unmerged low-rank path when w is a LoRAWeight, and `dense` (its backward as two plain
-  GEMMs) for a plain weight."""
+def linear(eq: str, x, w, dtype, preferred_element_type=None):
+  """einsum(eq, x, w) for a projection weight w [in, out], `eq` a projection
+  "<lead>i,io-><lead>o" (like "btd,de->bte"): `dense` (its backward as two plain GEMMs) for a
+  plain weight, the unmerged low-rank path when w is a LoRAWeight."""
+  if not _is_projection(eq) or "r" in eq:
+    raise ValueError(f"linear: equation {eq!r}; expected a projection '<lead>i,io-><lead>o' "
+                     f"(like 'btd,de->bte', without the letter r, the adapters' rank axis).")
   if not isinstance(w, LoRAWeight):
-    if _is_projection(eq) and set(kwargs) <= {"preferred_element_type"}:
-      lead = x.shape[:-1]
-      y = dense(x.reshape(-1, x.shape[-1]), w.astype(dtype),
-                kwargs.get("preferred_element_type"))
-      return y.reshape(*lead, w.shape[-1])
-    return jnp.einsum(eq, x, w.astype(dtype), **kwargs)
+    y = dense(x.reshape(-1, x.shape[-1]), w.astype(dtype), preferred_element_type)
+    return y.reshape(*x.shape[:-1], w.shape[-1])
   ins, out = eq.split("->")
-  xs, ws = ins.split(",")
-  i, o = ws
-  assert len(ws) == 2 and "r" not in eq, eq
-  y = jnp.einsum(eq, x, w.w.astype(dtype), **kwargs)
+  xs, (i, o) = ins.split(",")
+  y = jnp.einsum(eq, x, w.w.astype(dtype), preferred_element_type=preferred_element_type)
   xr = xs.replace(i, "r")
   xa = jnp.einsum(f"{xs},{i}r->{xr}", x, w.a.astype(dtype))
-  delta = jnp.einsum(f"{xr},r{o}->{out}", xa, w.b.astype(dtype), **kwargs)
+  delta = jnp.einsum(f"{xr},r{o}->{out}", xa, w.b.astype(dtype),
+                     preferred_element_type=preferred_element_type)
   return y + (w.scale * delta).astype(y.dtype)
 
 

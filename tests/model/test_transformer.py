@@ -145,8 +145,10 @@ def test_projection_backward_equals_autodiff(name, monkeypatch):
     return (lp * adv[:, None]).sum()
 
   ours = jax.jit(jax.value_and_grad(loss))(params)
-  monkeypatch.setattr(lora, "dense", _autodiff_dense)
+  calls = []
+  monkeypatch.setattr(lora, "dense", lambda *a: calls.append(1) or _autodiff_dense(*a))
   ref = jax.jit(jax.value_and_grad(loss))(params)
+  assert len(calls) >= 7 * cfg.num_layers  # the reference replaced every projection's matmul
   np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(ref[1])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -171,8 +173,12 @@ def test_dense_values_and_gradients(dtype, out):
   np.testing.assert_allclose(np.float32(dw), np.float32(x).T @ np.asarray(r), rtol=tol, atol=tol)
 
 
-def test_only_projection_equations_take_the_dense_path():
+def test_linear_takes_only_projection_equations():
   from rlx.model import lora  # pylint: disable=g-import-not-at-top
-  assert lora._is_projection("btd,de->bte") and lora._is_projection("bd,de->be")
-  for eq in ("btd,ed->bte", "btd,de->bet", "btd,dd->btd", "btd,de->bt", "bte,ed->bte"):
-    assert not lora._is_projection(eq), eq
+  x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
+  assert lora.linear("btd,de->bte", x, w, jnp.float32).shape == (2, 3, 5)
+  assert lora.linear("bd,de->be", x[0], w, jnp.float32).shape == (3, 5)
+  for eq in ("btd,ed->bte", "btd,de->bet", "btd,dd->btd", "btd,de->bt", "bte,ed->bte",
+             "btd,dr->btr"):
+    with pytest.raises(ValueError, match=f"linear: equation '{eq}'; expected a projection"):
+      lora.linear(eq, x, w, jnp.float32)
