@@ -161,7 +161,7 @@ class ColumnAdd(tfds.core.GeneratorBasedBuilder):
   BUILDER_CONFIGS = [ColumnAddConfig(ColumnAddSpec())]
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
+    return arithmetic.LocalDatasetInfo(
         builder=self,
         description="Multi-digit addition worked column by column, by number of digits.",
         features=tfds.features.FeaturesDict({

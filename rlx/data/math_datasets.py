@@ -238,7 +238,7 @@ class _JsonlBuilder(tfds.core.GeneratorBasedBuilder):
   KIND = ""
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
+    return arithmetic.LocalDatasetInfo(
         builder=self, description=f"{self.KIND} read from local JSONL files.",
         features=_features(), supervised_keys=None)
 

@@ -119,3 +119,19 @@ def test_empty_dataset_is_an_error():
   tok = train_sentencepiece(["1+1=2"] * 20, 16)
   with pytest.raises(ValueError, match="the dataset is empty"):
     tokenize_pool([], tok, 8, 4, task_name="arith")
+
+
+def test_preparing_a_builder_leaves_no_temporary_directory(tmp_path, monkeypatch):
+  # TFDS's own DatasetInfo makes an empty mkdtemp("tfds") directory per unprepared builder
+  # and never removes it; LocalDatasetInfo (every rlx builder's) skips that lookup.
+  import tempfile
+
+  from rlx.data import column_add as ca
+  scratch = tmp_path / "tmp"
+  scratch.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+  ar.build(ar.ArithmeticSpec(ops=("add",), levels=(1,), num_train_per_level=5,
+                             num_eval_per_level=2), str(tmp_path / "a"))
+  ca.build(ca.ColumnAddSpec(levels=(1,), num_train_per_level=5, num_eval_per_level=2),
+           str(tmp_path / "c"))
+  assert sorted(p.name for p in scratch.iterdir()) == []
