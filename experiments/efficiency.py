@@ -25,6 +25,10 @@ digits). Accuracy is greedy, held-out, on the band.
   U      as V, unsolved groups first (AR3PO)
   R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each
          batch (e.g. R+N2): the update-to-data ratio
+  <arm>@<lr>  the arm at its own optim.lr (e.g. R32@7.5e-5); --lrs=a,b,c runs every arm at
+         each rate; the main table compares each cell with B0 at the same rate, and a
+         best-vs-best table each arm's best rate with B0's best (the same tuning budget for
+         every arm)
 
 The target accuracy is fixed before the comparison from a pilot B0 run (its own seed): the
 mean band accuracy of the pilot's evaluations in the last third of its run, minus 0.02,
@@ -76,6 +80,8 @@ _ADAPT_FIRST = flags.DEFINE_integer("adaptive_first", 4, "V / U arms: round-1 sa
 _ADAPT_EXTEND = flags.DEFINE_integer("adaptive_extend", 0, "V / U arms: groups extended per "
                                      "step (0: half of prompts_per_step).")
 _LR = flags.DEFINE_float("lr", 0.0, "optim.lr of every arm (0: the config's): the tuning grid.")
+_LRS = flags.DEFINE_list("lrs", [], "Run every arm at each of these optim.lr values (arm@lr) "
+                         "and report each arm's best rate against B0's best.")
 _GROUP = flags.DEFINE_integer("group_size", 0, "rl.group_size of every arm (0: the config's).")
 _TARGET = flags.DEFINE_float("target", 0.0, "Fixed target band accuracy (0: from a pilot B0 "
                              "run); a tuning grid fixes it once for all its cells.")
@@ -125,6 +131,50 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   if "A" in toks:  # the clip around the behaviour policy (as the R arms use)
     o["rl.anchor"] = "behaviour"
   return o
+
+
+def split_arm(arm: str) -> tuple[str, float | None]:
+  """"R32@7.5e-5" -> ("R32", 7.5e-5); an arm without "@" -> (arm, None)."""
+  name, at, lr = arm.partition("@")
+  if not at:
+    return arm, None
+  try:
+    value = float(lr)
+  except ValueError:
+    value = math.nan
+  if not name or not (math.isfinite(value) and value > 0):
+    raise ValueError(f"--arms: {arm!r}; expected <arm>@<learning rate>, the rate a positive "
+                     f"number (like R32@7.5e-5).")
+  return name, value
+
+
+def expand_arms(arms, lrs) -> list[str]:
+  """Each arm at each rate of lrs (arm@lr), unless it names its own; lrs empty: unchanged."""
+  rates = [split_arm(f"{a}@{lr}")[1] for a in arms[:1] for lr in lrs]
+  out = []
+  for a in arms:
+    out += [a] if "@" in a or not rates else [f"{a}@{r:g}" for r in rates]
+  return out
+
+
+def b0_of(cell: str, cells) -> str | None:
+  """The B0 cell a cell is compared with in the main table: B0 at the same rate, else B0."""
+  at = cell.partition("@")[2]
+  for ref in ((f"B0@{at}",) if at else ()) + ("B0",):
+    if ref in cells:
+      return ref
+  return None
+
+
+def best_cells(ttt: dict) -> dict:
+  """{arm name: its cell (arm@lr) with the fewest median tokens to target}, over the cells of
+  each arm name (censored runs count as infinite; the first cell wins a tie)."""
+  best = {}
+  for cell, t in ttt.items():
+    name = split_arm(cell)[0]
+    if name not in best or np.median(t) < np.median(ttt[best[name]]):
+      best[name] = cell
+  return best
 
 
 def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir: str,
@@ -231,6 +281,7 @@ def main(_):
   steps = _STEPS.value or ((60 if quick else 100) if reasoning else (80 if quick else 200))
   arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L", "V"] +
                          (["K"] if reasoning else []))
+  arms = expand_arms(arms, _LRS.value)
   eval_every = _EVAL_EVERY.value or 5
   root = _ROOT.value
   os.makedirs(root, exist_ok=True)
@@ -260,9 +311,12 @@ def main(_):
   results = {}
   for arm in arms:
     for seed in range(_SEEDS.value):
-      wd = os.path.join(root, arm.replace("+", "_"), f"seed{seed}")
-      cfg = make_config(steps, eval_every, seed, base_dir, data_dir,
-                        arm_overrides(arm, _SELECT.value))
+      wd = os.path.join(root, arm.replace("+", "_").replace("@", "_lr"), f"seed{seed}")
+      name, lr = split_arm(arm)
+      overrides = arm_overrides(name, _SELECT.value)
+      if lr is not None:
+        overrides["optim.lr"] = lr
+      cfg = make_config(steps, eval_every, seed, base_dir, data_dir, overrides)
       r = run_one(cfg, wd)
       results.setdefault(arm, []).append(r)
       print(f"[efficiency] {arm:6s} seed {seed}: final {r['curve'][-1][2]:.3f}, tokens "
@@ -284,8 +338,9 @@ def main(_):
   for arm, rs in results.items():
     t = np.asarray(ttt[arm])
     med = float(np.median(t))
-    if "B0" in ttt and arm != "B0":
-      point, (lo, hi) = bootstrap_ratio(ttt["B0"], t)
+    ref = b0_of(arm, ttt)
+    if ref is not None and arm != ref:
+      point, (lo, hi) = bootstrap_ratio(ttt[ref], t)
       ratio = f"{point:.2f}x ({lo:.2f}-{hi:.2f})" if np.isfinite(point) else "n/a (censored)"
     else:
       ratio = "1.00x"
@@ -297,6 +352,17 @@ def main(_):
                  f"{ratio} | {reached}/{len(t)} | {acc_b:.3f} | {final:.3f} | {wall:.0f} |")
     table[arm] = {"tokens_to_target": [None if not np.isfinite(x) else x for x in t],
                   "acc_at_budget": float(acc_b), "final": float(final), "wall_s": float(wall)}
+  best = best_cells(ttt)
+  if len(best) < len(ttt) and "B0" in best:  # some arm ran at several rates: best vs best
+    b0 = best["B0"]
+    lines += ["", f"Best vs best (each arm at its best rate against {b0}):", "",
+              "| arm | best cell | tokens to target (median) | ratio vs best B0 (90% CI) |",
+              "|---|---|---|---|"]
+    for name, cell in best.items():
+      point, (lo, hi) = bootstrap_ratio(ttt[b0], ttt[cell])
+      ratio = f"{point:.2f}x ({lo:.2f}-{hi:.2f})" if np.isfinite(point) else "n/a (censored)"
+      lines.append(f"| {name} | {cell} | {fmt_tokens(float(np.median(ttt[cell])))} | "
+                   f"{'1.00x' if cell == b0 else ratio} |")
   text = "\n".join(lines)
   print("\n" + text)
   print("\n(ratio = B0 tokens / arm tokens: >1 means the arm needs fewer generated tokens)")

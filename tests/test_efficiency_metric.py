@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 
 from rlx.experiments import efficiency
 
@@ -30,3 +31,28 @@ def test_bootstrap_ratio_is_the_ratio_of_medians_with_an_interval_around_it():
   point, (lo, hi) = efficiency.bootstrap_ratio([100, 110, 90, 105], [50, 55, 60, 52])
   assert point == np.median([100, 110, 90, 105]) / np.median([50, 55, 60, 52])
   assert lo <= point <= hi
+
+
+def test_arms_at_their_own_learning_rates():
+  assert efficiency.split_arm("R32@7.5e-5") == ("R32", 7.5e-5)
+  assert efficiency.split_arm("S+R") == ("S+R", None)
+  for bad in ("R32@", "R32@fast", "R32@-1e-4", "@1e-4", "B0@nan"):
+    with pytest.raises(ValueError, match="expected <arm>@<learning rate>"):
+      efficiency.split_arm(bad)
+  assert efficiency.expand_arms(["B0", "R32"], []) == ["B0", "R32"]
+  assert efficiency.expand_arms(["B0", "R32", "S@1e-3"], ["1e-4", "2e-4"]) == [
+      "B0@0.0001", "B0@0.0002", "R32@0.0001", "R32@0.0002", "S@1e-3"]
+  with pytest.raises(ValueError, match="'B0@x'"):
+    efficiency.expand_arms(["B0"], ["x"])
+  # The main table compares a cell with B0 at its rate, else with plain B0.
+  cells = {"B0": 0, "B0@0.0001": 0, "R@0.0001": 0, "R@0.0002": 0}
+  assert efficiency.b0_of("R@0.0001", cells) == "B0@0.0001"
+  assert efficiency.b0_of("R@0.0002", cells) == "B0"
+  assert efficiency.b0_of("R", {"R": 0}) is None
+
+
+def test_best_cells_pick_each_arms_lowest_median_with_censored_runs_infinite():
+  inf = math.inf
+  ttt = {"B0@1": [10, 12, 14], "B0@2": [9, 30, inf], "R@1": [inf, inf, 8], "R@2": [20, 21, 22],
+         "S": [5, 6, 7]}
+  assert efficiency.best_cells(ttt) == {"B0": "B0@1", "R": "R@2", "S": "S"}
