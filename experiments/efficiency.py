@@ -150,7 +150,7 @@ def split_arm(arm: str) -> tuple[str, float | None]:
 
 def expand_arms(arms, lrs) -> list[str]:
   """Each arm at each rate of lrs (arm@lr), unless it names its own; lrs empty: unchanged."""
-  rates = [split_arm(f"{a}@{lr}")[1] for a in arms[:1] for lr in lrs]
+  rates = [split_arm(f"{arms[0]}@{lr}")[1] for lr in lrs]  # checked as the first arm's cell
   out = []
   for a in arms:
     out += [a] if "@" in a or not rates else [f"{a}@{r:g}" for r in rates]
@@ -159,11 +159,9 @@ def expand_arms(arms, lrs) -> list[str]:
 
 def b0_of(cell: str, cells) -> str | None:
   """The B0 cell a cell is compared with in the main table: B0 at the same rate, else B0."""
-  at = cell.partition("@")[2]
-  for ref in ((f"B0@{at}",) if at else ()) + ("B0",):
-    if ref in cells:
-      return ref
-  return None
+  lr = split_arm(cell)[1]
+  same = [c for c in cells if split_arm(c) == ("B0", lr)]  # by value: 7.5e-5 == 7.5e-05
+  return same[0] if same else ("B0" if "B0" in cells else None)
 
 
 def best_cells(ttt: dict) -> dict:

@@ -19,8 +19,8 @@ if __name__ == "kernels":
   import importlib.util as _util
   import os as _os
 
-  _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-  _rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
+  _root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+  _rest = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
   _spec = _machinery.PathFinder.find_spec("kernels", _rest)
   if _spec is None or _spec.loader is None:
     raise ModuleNotFoundError(

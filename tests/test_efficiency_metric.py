@@ -47,6 +47,7 @@ def test_arms_at_their_own_learning_rates():
   # The main table compares a cell with B0 at its rate, else with plain B0.
   cells = {"B0": 0, "B0@0.0001": 0, "R@0.0001": 0, "R@0.0002": 0}
   assert efficiency.b0_of("R@0.0001", cells) == "B0@0.0001"
+  assert efficiency.b0_of("R@1e-4", cells) == "B0@0.0001"  # the same rate, written otherwise
   assert efficiency.b0_of("R@0.0002", cells) == "B0"
   assert efficiency.b0_of("R", {"R": 0}) is None
 
