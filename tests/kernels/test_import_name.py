@@ -30,7 +30,8 @@ def test_top_level_kernels_is_the_other_package_and_rlx_kernels_still_works(tmp_
 
 
 def test_without_another_kernels_the_import_error_says_what_this_directory_is():
-  r = _run("import sys; sys.path = [p for p in sys.path if 'site-packages' not in p]\n"
+  r = _run("import sys\n"
+           "sys.path = [p for p in sys.path if not p.endswith(('site-packages', 'dist-packages'))]\n"
            "try:\n  import kernels\nexcept ModuleNotFoundError as e:\n  print('MNF', e.name, e)\n"
            "print('kernels' in sys.modules)")
   assert r.returncode == 0, r.stderr[-2000:]
