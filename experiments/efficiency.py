@@ -133,27 +133,35 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   return o
 
 
+def _rate(text: str) -> float | None:
+  """A learning rate written as text: a positive finite float, else None."""
+  try:
+    value = float(text)
+  except ValueError:
+    return None
+  return value if math.isfinite(value) and value > 0 else None
+
+
 def split_arm(arm: str) -> tuple[str, float | None]:
   """"R32@7.5e-5" -> ("R32", 7.5e-5); an arm without "@" -> (arm, None)."""
   name, at, lr = arm.partition("@")
   if not at:
     return arm, None
-  try:
-    value = float(lr)
-  except ValueError:
-    value = math.nan
-  if not name or not (math.isfinite(value) and value > 0):
+  if not name or _rate(lr) is None:
     raise ValueError(f"--arms: {arm!r}; expected <arm>@<learning rate>, the rate a positive "
                      f"number (like R32@7.5e-5).")
-  return name, value
+  return name, _rate(lr)
 
 
 def expand_arms(arms, lrs) -> list[str]:
   """Each arm at each rate of lrs (arm@lr), unless it names its own; lrs empty: unchanged."""
-  rates = [split_arm(f"{arms[0]}@{lr}")[1] for lr in lrs]  # checked as the first arm's cell
+  bad = [lr for lr in lrs if _rate(lr) is None]
+  if bad:
+    raise ValueError(f"--lrs: {bad[0]!r}; expected positive learning rates (like "
+                     f"--lrs=1.875e-5,3.75e-5,7.5e-5).")
   out = []
   for a in arms:
-    out += [a] if "@" in a or not rates else [f"{a}@{r:g}" for r in rates]
+    out += [a] if "@" in a or not lrs else [f"{a}@{_rate(lr):g}" for lr in lrs]
   return out
 
 
@@ -279,6 +287,9 @@ def main(_):
   steps = _STEPS.value or ((60 if quick else 100) if reasoning else (80 if quick else 200))
   arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L", "V"] +
                          (["K"] if reasoning else []))
+  if _LRS.value and _LR.value:
+    raise app.UsageError(f"--lr={_LR.value:g} and --lrs={','.join(_LRS.value)}: give one; "
+                         "--lrs runs every arm at each of its rates.")
   arms = expand_arms(arms, _LRS.value)
   eval_every = _EVAL_EVERY.value or 5
   root = _ROOT.value
@@ -337,11 +348,13 @@ def main(_):
     t = np.asarray(ttt[arm])
     med = float(np.median(t))
     ref = b0_of(arm, ttt)
-    if ref is not None and arm != ref:
+    if ref is None:  # no B0 here at its rate nor plain (e.g. --arms=R32 alone)
+      ratio = "- (no B0 at its rate)"
+    elif arm == ref:
+      ratio = "1.00x"
+    else:
       point, (lo, hi) = bootstrap_ratio(ttt[ref], t)
       ratio = f"{point:.2f}x ({lo:.2f}-{hi:.2f})" if np.isfinite(point) else "n/a (censored)"
-    else:
-      ratio = "1.00x"
     acc_b = np.median([accuracy_at(r["curve"], budget) for r in rs])
     final = np.median([r["curve"][-1][2] for r in rs])
     wall = np.median([r["wall_s"] for r in rs])

@@ -42,8 +42,9 @@ def test_arms_at_their_own_learning_rates():
   assert efficiency.expand_arms(["B0", "R32"], []) == ["B0", "R32"]
   assert efficiency.expand_arms(["B0", "R32", "S@1e-3"], ["1e-4", "2e-4"]) == [
       "B0@0.0001", "B0@0.0002", "R32@0.0001", "R32@0.0002", "S@1e-3"]
-  with pytest.raises(ValueError, match="'B0@x'"):
-    efficiency.expand_arms(["B0"], ["x"])
+  for bad in ("x", "0", "-1e-4", "inf"):
+    with pytest.raises(ValueError, match=f"--lrs: '{bad}'; expected positive learning rates"):
+      efficiency.expand_arms(["B0", "S@1e-3"], ["1e-4", bad])
   # The main table compares a cell with B0 at its rate, else with plain B0.
   cells = {"B0": 0, "B0@0.0001": 0, "R@0.0001": 0, "R@0.0002": 0}
   assert efficiency.b0_of("R@0.0001", cells) == "B0@0.0001"
