@@ -747,10 +747,12 @@ def defaults() -> mlc.ConfigDict:
   # On the CPU backend, where update_micro_rows is 0 and there is one minibatch: micro-batches
   # of at most this many padded tokens (rows x (max_prompt_len + max_new_tokens)). There the
   # whole batch's temporaries cost page faults and cache misses more than the smaller GEMMs
-  # lose: update 0.89x on the default experiment (2 parts) and on the reasoning one (8 parts),
-  # 0.67x at 100M (4 parts; README "Gradient accumulation"). Accelerators keep the whole
+  # lose: at 2048 tokens, update 0.89x on the default experiment (2 parts) and on the
+  # reasoning one (8 parts), 0.67x at 100M (4 parts; README "Gradient accumulation"); 1024
+  # against 2048: 0.85-0.88x at 100M (8 parts of 4 rows), 0.95x / 0.98x on the default /
+  # reasoning experiments; 512 no better than 1024 at 100M. Accelerators keep the whole
   # batch (not measured there). 0 = off.
-  c.rl.cpu_micro_tokens = 2048
+  c.rl.cpu_micro_tokens = 1024
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()
