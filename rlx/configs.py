@@ -8,6 +8,7 @@ expected.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -47,7 +48,9 @@ def _get(config, key: str):
 def _number(config, key: str, lo: float | None = None, hi: float | None = None, *,
             lo_open: bool = False, hi_open: bool = False, what: str = "") -> float:
   value = _get(config, key)
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  # Non-finite values are refused: an infinite lr or weight decay would turn finite gradients
+  # into non-finite params, which the update's guard (gradient norm only) does not check.
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
   if ok and lo is not None:
     ok = value > lo if lo_open else value >= lo
   if ok and hi is not None:

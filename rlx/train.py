@@ -603,17 +603,23 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
     loss, metrics, old, grads = loss_and_grads(params, b, ref, tuple(s[j] for s in store),
                                                is_first)
     store = tuple(s.at[j].set(o) for s, o in zip(store, old))
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    # Numeric guard: an update with a non-finite loss, gradient or result is skipped (params
-    # and optimizer state unchanged) and counted; the host loop stops after K in a row.
-    all_finite = lambda tree: jnp.all(jnp.stack(
-        [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-    finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(new_params)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    metrics["grad_norm"] = jnp.where(finite, optax.tree.norm(grads), 0.0)
+    # Numeric guard: an update with a non-finite loss or gradient is skipped (params and
+    # optimizer state unchanged) and counted; the host loop stops after K in a row. The check
+    # is the gradient's global norm (non-finite iff an entry is, or if the squares overflow
+    # f32): one fused reduction. The optimizer runs under lax.cond, so a skipped update
+    # computes nothing and a kept one needs no select over params and optimizer state (at
+    # 100M on CPU, per-leaf isfinite on grads and new params plus those selects cost ~0.3 s
+    # per update; traced). With finite gradients, clip + AdamW give finite results.
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def apply(params, opt_state):
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_opt_state
+    params, opt_state = jax.lax.cond(finite, apply, lambda p, s: (p, s), params, opt_state)
+    metrics["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
     metrics["guard/skipped_updates"] = (~finite).astype(jnp.float32)
-    return (keep(new_params, params), keep(new_opt_state, opt_state), store, epoch), metrics
+    return (params, opt_state, store, epoch), metrics
 
   def epoch_step(carry, epoch):
     params, opt_state, store = carry

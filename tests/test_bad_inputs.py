@@ -136,6 +136,8 @@ CASES = [
      r"config.keep_checkpoints=-1; expected an integer >= 0"),
     ("negative_lr", {"optim.lr": -1e-3}, None, configs.ConfigError,
      r"config.optim.lr=-0.001; expected 0 < lr"),
+    ("infinite_lr", {"optim.lr": float("inf")}, None, configs.ConfigError,
+     r"config.optim.lr=inf; expected 0 < lr"),
     ("negative_warmup", {"optim.warmup_steps": -5}, None, configs.ConfigError,
      r"config.optim.warmup_steps=-5; expected an integer >= 0"),
     ("b2_above_one", {"optim.b2": 1.5}, None, configs.ConfigError,
