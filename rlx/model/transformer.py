@@ -79,6 +79,84 @@ def dot_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, spec: Attentio
   return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
+def causal_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, spec: AttentionSpec):
+  """`dot_attention` for the no-cache path (training, log-probs), with a hand-written VJP.
+
+  Same math and dtypes as `dot_attention` (f32 logits and softmax, grouped-query heads); the
+  difference is the layout and the backward pass. Every [keys, queries] tensor is kept
+  keys-major (per KV head: S^T = K Q^T, O^T = V^T P^T), so that none of the backward's
+  matmuls needs a transposed copy of P or dS (XLA:CPU transposes a matmul's left operand when
+  it contracts its leading dimension), only of the [T, d]-sized Q, K, V and O; and the
+  softmax backward takes rowsum(dP * P) as rowsum(dO * O) (as FlashAttention does), a pass
+  over [T, d] instead of [T, S]. Measured at the 100M peer shape on CPU (4 rows x 135
+  tokens, 12 heads / 4 KV heads, one layer's forward + backward, median of 40 interleaved):
+  3.6 ms vs 5.4 ms for autodiff of `dot_attention`. Equal to `dot_attention` in value and gradient
+  (tests/model/test_transformer.py).
+
+  Masked key slots get a -0.7 * f32-max bias instead of a select, and there is no select on
+  V: here K and V are the layer's own projections of the given tokens, so they are finite
+  (the caches' garbage slots go through `dot_attention`).
+  """
+  b, t, h, d = q_BxTxHxD.shape
+  kv = k_BxSxKxD.shape[2]
+  g = h // kv
+  # [B, K, d, G*T]: queries along the minor axis, grouped by KV head.
+  q_T = q_BxTxHxD.reshape(b, t, kv, g, d).transpose(0, 2, 4, 3, 1).reshape(b, kv, d, g * t)
+  k_BxKxSxD = k_BxSxKxD.transpose(0, 2, 1, 3)
+  v_BxKxSxD = v_BxSxKxD.transpose(0, 2, 1, 3)
+  bias_T = jnp.where(allowed_BxTxS, 0.0, _MASK_VALUE).astype(jnp.float32).swapaxes(1, 2)
+  o_T = _attention_core(q_T, k_BxKxSxD, v_BxKxSxD, bias_T[:, None, :, None, :],
+                        spec.scale, spec.softcap)
+  return o_T.reshape(b, kv, d, g, t).transpose(0, 4, 1, 3, 2).reshape(b, t, h, d).astype(
+      q_BxTxHxD.dtype)
+
+
+def _attention_probs(q_T, k, bias_T, scale, softcap):
+  """P^T [B, K, S, G*T] (f32) and tanh(S / softcap) (None without a softcap)."""
+  b, kv, s = k.shape[:3]
+  gt = q_T.shape[-1]
+  t = bias_T.shape[-1]
+  logits = jnp.einsum("bksd,bkdq->bksq", k, q_T, preferred_element_type=jnp.float32) * scale
+  th = None
+  if softcap is not None:
+    th = jnp.tanh(logits / softcap)
+    logits = softcap * th
+  logits = logits.reshape(b, kv, s, gt // t, t) + bias_T
+  e = jnp.exp(logits - jnp.max(logits, axis=2, keepdims=True))
+  p = (e / jnp.sum(e, axis=2, keepdims=True)).reshape(b, kv, s, gt)
+  return p, th
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention_core(q_T, k, v, bias_T, scale, softcap):
+  p, _ = _attention_probs(q_T, k, bias_T, scale, softcap)
+  return jnp.einsum("bksd,bksq->bkdq", v, p.astype(v.dtype), preferred_element_type=jnp.float32)
+
+
+def _attention_core_fwd(q_T, k, v, bias_T, scale, softcap):
+  p, th = _attention_probs(q_T, k, bias_T, scale, softcap)
+  o = jnp.einsum("bksd,bksq->bkdq", v, p.astype(v.dtype), preferred_element_type=jnp.float32)
+  return o, (q_T, k, v, p, th, o)
+
+
+def _attention_core_bwd(scale, softcap, res, do):
+  q_T, k, v, p, th, o = res
+  f32 = jnp.float32
+  dv = jnp.einsum("bksq,bkdq->bksd", p.astype(do.dtype), do, preferred_element_type=f32)
+  dp = jnp.einsum("bksd,bkdq->bksq", v.astype(do.dtype), do, preferred_element_type=f32)
+  delta = jnp.sum(do * o, axis=2, keepdims=True)  # rowsum(dP * P) = rowsum(dO * O)
+  ds = p * (dp - delta)
+  if softcap is not None:
+    ds = ds * (1.0 - th * th)
+  ds = ds * scale
+  dk = jnp.einsum("bksq,bkdq->bksd", ds.astype(q_T.dtype), q_T, preferred_element_type=f32)
+  dq = jnp.einsum("bksd,bksq->bkdq", k, ds.astype(k.dtype), preferred_element_type=f32)
+  return (dq.astype(q_T.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
+
+
+_attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
+
+
 # ----------------------------------------------------------------------------- rope
 
 
@@ -184,7 +262,7 @@ class Attention(nnx.Module):
     if ctx is None:
       k_pos = jnp.where(valid_BxT, pos_BxT, -1)
       allowed = attention_mask(pos_BxT, k_pos, self.spec.window)
-      out = dot_attention(q, k, v, allowed, self.spec)
+      out = causal_attention(q, k, v, allowed, self.spec)
     else:
       out, ctx = ctx.layer_attend(self.layer, q, k, v, pos_BxT, self.spec)
     b, t = x_BxTxD.shape[:2]

@@ -182,3 +182,76 @@ def test_linear_takes_only_projection_equations():
              "btd,dr->btr"):
     with pytest.raises(ValueError, match=f"linear: equation '{eq}'; expected a projection"):
       lora.linear(eq, x, w, jnp.float32)
+
+
+ATTENTION_CASES = {  # (heads, kv heads, softcap, window)
+    "gqa": (6, 2, None, None),
+    "mha": (4, 4, None, None),
+    "mqa_softcap": (4, 1, 5.0, None),
+    "gqa_window_softcap": (6, 3, 20.0, 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_causal_attention_equals_dot_attention(case, dtype):
+  """The no-cache path's attention (keys-major layout, hand-written VJP) equals autodiff of
+  the plain-jnp `dot_attention` in value and in the gradients of q, k and v, on rows with
+  right padding, left padding (queries with no key to see) and a sliding window."""
+  from rlx.model import transformer  # pylint: disable=g-import-not-at-top
+  h, kv, softcap, window = ATTENTION_CASES[case]
+  b, t, d = 3, 11, 8
+  spec = transformer.AttentionSpec(scale=d ** -0.5, softcap=softcap, window=window)
+  kq, kk, kvv, kg = jax.random.split(jax.random.key(0), 4)
+  q = (2 * jax.random.normal(kq, (b, t, h, d))).astype(dtype)
+  k = (2 * jax.random.normal(kk, (b, t, kv, d))).astype(dtype)
+  v = jax.random.normal(kvv, (b, t, kv, d)).astype(dtype)
+  valid = np.ones((b, t), bool)
+  valid[1, 7:] = False  # right padding
+  valid[2, :3] = False  # left padding: its first queries see no key
+  pos = jnp.asarray(np.where(valid, np.cumsum(valid, axis=1) - 1, -1))
+  allowed = transformer.attention_mask(pos, jnp.where(jnp.asarray(valid), pos, -1), window)
+  sees = np.asarray(allowed.any(-1))  # queries with at least one key; the others are garbage
+  assert not sees.all() and sees.any()
+  ct = jax.random.normal(kg, (b, t, h, d)) * sees[:, :, None, None]
+
+  def run(fn):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, allowed, spec), q, k, v)
+    return out, vjp(ct.astype(out.dtype))
+
+  out, grads = jax.jit(lambda: run(transformer.causal_attention))()
+  ref, ref_grads = jax.jit(lambda: run(transformer.dot_attention))()
+  assert out.dtype == dtype and [x.dtype for x in grads] == [dtype] * 3
+  assert np.isfinite(np.float32(out)).all()
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(np.float32(out)[sees], np.float32(ref)[sees], **tol)
+  for a, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(np.float32(a), np.float32(r), **tol)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gemma2"])
+def test_model_gradients_with_plain_attention(name, monkeypatch):
+  """Every parameter's gradient of a log-prob loss is the same with the no-cache path's
+  attention replaced by `dot_attention` under autodiff (gemma2: softcap and a window)."""
+  from rlx.model import transformer  # pylint: disable=g-import-not-at-top
+  cfg = VARIANTS[name]
+  g, params = init_params(cfg, 0)
+  params = _randomize(params)
+  tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(9), (3, 9))
+  valid = jnp.ones((3, 9), bool).at[1, 6:].set(False)
+  adv = jnp.asarray([1.0, -0.5, 2.0])
+
+  def loss(p):
+    lp = transformer.token_logprobs(g, p, tokens, pos, valid, first=2)
+    return (lp * adv[:, None] * valid[:, 3:]).sum()
+
+  ours = jax.jit(jax.value_and_grad(loss))(params)
+  calls = []
+  monkeypatch.setattr(transformer, "causal_attention",
+                      lambda *a: calls.append(1) or transformer.dot_attention(*a))
+  ref = jax.jit(jax.value_and_grad(loss))(params)
+  assert len(calls) == cfg.num_layers
+  np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(ref[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
