@@ -1,6 +1,7 @@
 """The NNX transformer: cached decoding equals the full forward, padding invariance, dtypes."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,7 @@ ATTENTION_CASES = {  # (heads, kv heads, softcap, window)
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
-def test_causal_attention_equals_dot_attention(case, dtype):
+def test_keys_major_attention_equals_dot_attention(case, dtype):
   """The no-cache path's attention (keys-major layout, hand-written VJP) equals autodiff of
   the plain-jnp `dot_attention` in value and in the gradients of q, k and v, on rows with
   right padding, left padding (queries with no key to see) and a sliding window."""
@@ -219,7 +220,7 @@ def test_causal_attention_equals_dot_attention(case, dtype):
     out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, allowed, spec), q, k, v)
     return out, vjp(ct.astype(out.dtype))
 
-  out, grads = jax.jit(lambda: run(transformer.causal_attention))()
+  out, grads = jax.jit(lambda: run(transformer.keys_major_attention))()
   ref, ref_grads = jax.jit(lambda: run(transformer.dot_attention))()
   assert out.dtype == dtype and [x.dtype for x in grads] == [dtype] * 3
   assert np.isfinite(np.float32(out)).all()
@@ -232,26 +233,30 @@ def test_causal_attention_equals_dot_attention(case, dtype):
 @pytest.mark.parametrize("name", ["llama_gqa", "gemma2"])
 def test_model_gradients_with_plain_attention(name, monkeypatch):
   """Every parameter's gradient of a log-prob loss is the same with the no-cache path's
-  attention replaced by `dot_attention` under autodiff (gemma2: softcap and a window)."""
+  keys-major attention replaced by `dot_attention` under autodiff (gemma2: softcap and a
+  window); below KEYS_MAJOR_MIN_KEYS tokens the model does not use it."""
   from rlx.model import transformer  # pylint: disable=g-import-not-at-top
   cfg = VARIANTS[name]
   g, params = init_params(cfg, 0)
   params = _randomize(params)
-  tokens = jax.random.randint(jax.random.key(3), (3, 9), 0, cfg.vocab_size)
-  pos = jnp.broadcast_to(jnp.arange(9), (3, 9))
-  valid = jnp.ones((3, 9), bool).at[1, 6:].set(False)
+  b, t = 3, transformer.KEYS_MAJOR_MIN_KEYS + 2
+  tokens = jax.random.randint(jax.random.key(3), (b, t), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  valid = jnp.ones((b, t), bool).at[1, t - 5:].set(False)
   adv = jnp.asarray([1.0, -0.5, 2.0])
 
-  def loss(p):
-    lp = transformer.token_logprobs(g, p, tokens, pos, valid, first=2)
-    return (lp * adv[:, None] * valid[:, 3:]).sum()
+  def loss(p, t=t):
+    lp = transformer.token_logprobs(g, p, tokens[:, :t], pos[:, :t], valid[:, :t], first=2)
+    return (lp * adv[:, None] * valid[:, 3:t]).sum()
 
   ours = jax.jit(jax.value_and_grad(loss))(params)
   calls = []
-  monkeypatch.setattr(transformer, "causal_attention",
+  monkeypatch.setattr(transformer, "keys_major_attention",
                       lambda *a: calls.append(1) or transformer.dot_attention(*a))
   ref = jax.jit(jax.value_and_grad(loss))(params)
-  assert len(calls) == cfg.num_layers
+  assert len(calls) == cfg.num_layers  # the reference replaced every layer's attention
   np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(ref[1])):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+  for a, r in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(ref[1])):
+    np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+  jax.jit(functools.partial(loss, t=transformer.KEYS_MAJOR_MIN_KEYS - 1))(params)
+  assert len(calls) == cfg.num_layers  # shorter sequences: autodiff of dot_attention
