@@ -240,7 +240,12 @@ def _layer_activation_bytes(cfg: ModelConfig, seq: int,
     Hq D c        attention output (o_proj weight grad)
     5 x F x c     gate, sigmoid(gate) (silu's jvp), silu(gate), up, silu(gate) * up
     Hq S (8 + c)  f32 scores and softmax probabilities, and the probabilities cast to c for
-                  the PV matmul (no extra copy when c = 4)
+                  the PV matmul (no extra copy when c = 4), under autodiff of `dot_attention`
+                  (fewer than transformer.KEYS_MAJOR_MIN_KEYS keys); from that many keys the
+                  hand-written VJP of `keys_major_attention` keeps instead
+    Hq S 4 + Hq D 4   the f32 probabilities (plus f32 tanh(S / softcap) with a logit softcap)
+                  and the f32 attention output for rowsum(dO * O); its q, k, v residuals are
+                  transposed copies that stand in for the ones counted above
   Checked against XLA:CPU `memory_analysis()` of jax.grad of completion_logprobs over
   vocab / layers / mlp_dim / heads sweeps (with _LOGITS_GRAD_COPIES and one layer's
   backward scores): within 1% in f32, 5-15% under in bf16 (XLA:CPU upcasts bf16 math).
@@ -255,11 +260,16 @@ def _layer_activation_bytes(cfg: ModelConfig, seq: int,
   """
   c = jnp.dtype(cfg.compute_dtype).itemsize
   d, f, hq, hkv, hd = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  probs = 8 + (c if c != 4 else 0)
+  if seq >= transformer.KEYS_MAJOR_MIN_KEYS:  # keys_major_attention's residuals
+    probs = 4 + (4 if cfg.attn_logit_softcap else 0)
+    out_f32, out_note = hq * hd * 4, " + HqD*4B"
+  else:  # autodiff of dot_attention
+    probs = 8 + (c if c != 4 else 0)
+    out_f32, out_note = 0, ""
   per = ((4 * d + (hq + 2 * hkv) * hd + hq * hd + 5 * f) * c + 8 * d + hq * seq * probs
-         + lora_extra)
+         + out_f32 + lora_extra)
   extra = f" + {lora_extra}B LoRA (xA, xW|s(xA)B split)" if lora_extra else ""
-  formula = (f"[(4d+(Hq+2Hkv)D+HqD+5F)*{c}B + 8d + Hq*S*{probs}B{extra}] = "
+  formula = (f"[(4d+(Hq+2Hkv)D+HqD+5F)*{c}B + 8d + Hq*S*{probs}B{out_note}{extra}] = "
              f"{per / 1024:.1f} KiB/token/layer")
   return per, formula
 
@@ -488,7 +498,11 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   tokens_mb = mb_rows * seq
   if remat_realised is None:
     remat_realised = bool(rl_spec.remat) and jax.default_backend() != "cpu"
-  top = 2 * d * c + d * 4 + hq * seq * 8 + head_act
+  # Above the layers: the final norm's output (c) and f32 input, the embedding output, and
+  # one layer's backward score temporaries (f32): two [Hq, S] per token under autodiff of
+  # dot_attention, one (dP; P itself is a saved residual) under keys_major_attention.
+  score_tmp = 4 if seq >= transformer.KEYS_MAJOR_MIN_KEYS else 8
+  top = 2 * d * c + d * 4 + hq * seq * score_tmp + head_act
   if remat_realised and rl_spec.remat:
     # Layer inputs [tokens, d] kept; the backward rebuilds one layer at a time.
     saved = tokens_mb * (L * d * c + per_tok + top)
