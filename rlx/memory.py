@@ -245,7 +245,9 @@ def _layer_activation_bytes(cfg: ModelConfig, seq: int,
                   hand-written VJP of `keys_major_attention` keeps instead
     Hq S 4 + Hq D 4   the f32 probabilities (plus f32 tanh(S / softcap) with a logit softcap)
                   and the f32 attention output for rowsum(dO * O); its q, k, v residuals are
-                  transposed copies that stand in for the ones counted above
+                  transposed copies that stand in for the ones counted above (the update's
+                  XLA:CPU memory analysis vs this plan, layers 2-4, heads 2-4, 528-1040
+                  tokens, softcap on/off: within 2% in f32, 5% under in bf16)
   Checked against XLA:CPU `memory_analysis()` of jax.grad of completion_logprobs over
   vocab / layers / mlp_dim / heads sweeps (with _LOGITS_GRAD_COPIES and one layer's
   backward scores): within 1% in f32, 5-15% under in bf16 (XLA:CPU upcasts bf16 math).
