@@ -50,7 +50,11 @@ def _number(config, key: str, lo: float | None = None, hi: float | None = None, 
   value = _get(config, key)
   # Non-finite values are refused: an infinite lr or weight decay would turn finite gradients
   # into non-finite params, which the update's guard (gradient norm only) does not check.
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  try:
+    ok = ok and math.isfinite(value)
+  except OverflowError:  # an int beyond float range (10**400)
+    ok = False
   if ok and lo is not None:
     ok = value > lo if lo_open else value >= lo
   if ok and hi is not None:

@@ -99,7 +99,10 @@ def keys_major_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS,
   over [T, d] instead of [T, S]. Measured at the 100M peer shape on CPU (4 rows x 135
   tokens, 12 heads / 4 KV heads, one layer's forward + backward, median of 40 interleaved):
   3.6 ms vs 5.4 ms for autodiff of `dot_attention`. Equal to `dot_attention` in value and gradient
-  (tests/model/test_transformer.py).
+  (tests/model/test_transformer.py) wherever a query sees at least one key. A query that sees
+  none (no such row in training: left padding sees the first real token) gets the uniform
+  average of V here, and, unlike under `dot_attention`'s select, a cotangent on it would reach
+  q, k and v; the update gives those rows none (the loss masks them).
 
   Masked key slots get a -0.7 * f32-max bias instead of a select, and there is no select on
   V: here K and V are the layer's own projections of the given tokens, so they are finite
