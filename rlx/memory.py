@@ -241,8 +241,9 @@ def _layer_activation_bytes(cfg: ModelConfig, seq: int,
     5 x F x c     gate, sigmoid(gate) (silu's jvp), silu(gate), up, silu(gate) * up
     Hq S (8 + c)  f32 scores and softmax probabilities, and the probabilities cast to c for
                   the PV matmul (no extra copy when c = 4), under autodiff of `dot_attention`
-                  (fewer than transformer.KEYS_MAJOR_MIN_KEYS keys); from that many keys the
-                  hand-written VJP of `keys_major_attention` keeps instead
+                  (below transformer.KEYS_MAJOR_MIN_KEYS keys); where
+                  `transformer.uses_keys_major`, the hand-written VJP of
+                  `keys_major_attention` keeps instead
     Hq S 4 + Hq D 4   the f32 probabilities (plus f32 tanh(S / softcap) with a logit softcap)
                   and the f32 attention output for rowsum(dO * O); its q, k, v residuals are
                   transposed copies that stand in for the ones counted above (the update's
@@ -262,7 +263,7 @@ def _layer_activation_bytes(cfg: ModelConfig, seq: int,
   """
   c = jnp.dtype(cfg.compute_dtype).itemsize
   d, f, hq, hkv, hd = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  if seq >= transformer.KEYS_MAJOR_MIN_KEYS:  # keys_major_attention's residuals
+  if transformer.uses_keys_major(seq):  # keys_major_attention's residuals
     probs = 4 + (4 if cfg.attn_logit_softcap else 0)
     out_f32, out_note = hq * hd * 4, " + HqD*4B"
   else:  # autodiff of dot_attention
@@ -503,7 +504,7 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   # Above the layers: the final norm's output (c) and f32 input, the embedding output, and
   # one layer's backward score temporaries (f32): two [Hq, S] per token under autodiff of
   # dot_attention, one (dP; P itself is a saved residual) under keys_major_attention.
-  score_tmp = 4 if seq >= transformer.KEYS_MAJOR_MIN_KEYS else 8
+  score_tmp = 4 if transformer.uses_keys_major(seq) else 8
   top = 2 * d * c + d * 4 + hq * seq * score_tmp + head_act
   if remat_realised and rl_spec.remat:
     # Layer inputs [tokens, d] kept; the backward rebuilds one layer at a time.

@@ -86,6 +86,12 @@ def dot_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS, spec: Attentio
 KEYS_MAJOR_MIN_KEYS = 48
 
 
+def uses_keys_major(num_keys: int) -> bool:
+  """Whether the no-cache path attends with `keys_major_attention` at this many keys (the
+  memory plan asks too: its backward keeps different residuals)."""
+  return num_keys >= KEYS_MAJOR_MIN_KEYS
+
+
 def keys_major_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, allowed_BxTxS,
                          spec: AttentionSpec):
   """`dot_attention` for the no-cache path (training, log-probs), with a hand-written VJP.
@@ -273,8 +279,7 @@ class Attention(nnx.Module):
     if ctx is None:
       k_pos = jnp.where(valid_BxT, pos_BxT, -1)
       allowed = attention_mask(pos_BxT, k_pos, self.spec.window)
-      attend = (keys_major_attention if k.shape[1] >= KEYS_MAJOR_MIN_KEYS else
-                dot_attention)
+      attend = keys_major_attention if uses_keys_major(k.shape[1]) else dot_attention
       out = attend(q, k, v, allowed, self.spec)
     else:
       out, ctx = ctx.layer_attend(self.layer, q, k, v, pos_BxT, self.spec)
