@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
 import numpy as np
@@ -90,9 +91,18 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O a
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
+_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|R\d*|N\d+|K(\d+(\.\d*)?|\.\d+)?)$")
+
+
 def arm_overrides(arm: str, select_mode: str) -> dict:
   o = {}
   toks = arm.split("+")
+  bad = [t for t in toks if not _ARM_TOKEN.match(t)]
+  if bad or (len(toks) > 1 and ({"B0", "B1"} & set(toks))):
+    raise ValueError(f"arm {arm!r}: unknown part(s) {bad or sorted({'B0', 'B1'} & set(toks))}; "
+                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, R[rows], "
+                     "N<passes>, K[weight] (e.g. V+S+R32, K0.2)")
   if arm == "B1":
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
   if "S" in toks:
@@ -113,8 +123,10 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
     if _TASK.value == "reasoning":  # DAPO's soft buffer, scaled to 224 new tokens
       o["length.overlong_buffer"] = 32
-  if "K" in toks:
-    o["length.length_reward"] = 0.5
+  # K: Kimi k1.5's group length reward at 0.5 (the reasoning config's), K<w> at weight w.
+  for t in toks:
+    if t[:1] == "K":
+      o["length.length_reward"] = float(t[1:]) if len(t) > 1 else 0.5
   # Adaptive rollout budgets (rlx.rl.adaptive): V extends the most uncertain groups, U the
   # unsolved ones first (AR3PO).
   # adaptive.extend_groups 0 here: half the config's prompts per step (`make_config`).
@@ -291,6 +303,8 @@ def main(_):
     raise app.UsageError(f"--lr={_LR.value:g} and --lrs={','.join(_LRS.value)}: give one; "
                          "--lrs runs every arm at each of its rates.")
   arms = expand_arms(arms, _LRS.value)
+  for arm in arms:  # every arm's name checked before the first run starts
+    arm_overrides(split_arm(arm)[0], _SELECT.value)
   eval_every = _EVAL_EVERY.value or 5
   root = _ROOT.value
   os.makedirs(root, exist_ok=True)

@@ -1,6 +1,7 @@
 """The tokens-to-target rule and bootstrap ratio of experiments/efficiency.py."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -51,6 +52,18 @@ def test_arms_at_their_own_learning_rates():
   assert efficiency.b0_of("R@1e-4", cells) == "B0@0.0001"  # the same rate, written otherwise
   assert efficiency.b0_of("R@0.0002", cells) == "B0"
   assert efficiency.b0_of("R", {"R": 0}) is None
+
+
+def test_arm_names_are_checked_and_k_takes_a_weight():
+  assert efficiency.arm_overrides("B0", "band") == {}
+  assert efficiency.arm_overrides("K", "band") == {"length.length_reward": 0.5}
+  assert efficiency.arm_overrides("K0.2", "band") == {"length.length_reward": 0.2}
+  assert efficiency.arm_overrides("S+K.1", "band") == {"selection.mode": "band",
+                                                      "length.length_reward": 0.1}
+  # A typo used to run as plain GRPO under the typo's name; now it stops before any run.
+  for bad, part in (("Z", "Z"), ("K0.2x", "K0.2x"), ("S+", ""), ("N", "N"), ("B0+S", "B0")):
+    with pytest.raises(ValueError, match=re.escape(f"arm {bad!r}: unknown part(s) [{part!r}]")):
+      efficiency.arm_overrides(bad, "band")
 
 
 def test_best_cells_pick_each_arms_lowest_median_with_censored_runs_infinite():
