@@ -9,13 +9,15 @@ import jax
 import jax.numpy as jnp
 
 
-def median_time(fn, *args, reps: int) -> float:
+def median_time(fn, *args, reps: int, inner: int = 1) -> float:
+  """Median over `reps` of the time of `inner` back-to-back calls, waited on once, / inner
+  (after one call to compile)."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
+    jax.block_until_ready([fn(*args) for _ in range(inner)])
+    times.append((time.perf_counter() - t0) / inner)
   return statistics.median(times)
 
 
@@ -89,21 +91,9 @@ def gemm_floor(gemms, dtype, reps: int = 3, inner: int = 8) -> tuple[float, floa
   for (bt, m, k, n, count) in gemms:
     a = jnp.ones((bt, m, k), dtype)
     b_ = jnp.ones((bt, k, n), dtype)
-    total_s += count * _amortised_time(mm, a, b_, reps=reps, inner=inner)
+    total_s += count * median_time(mm, a, b_, reps=reps, inner=inner)
     total_f += count * 2.0 * bt * m * k * n
   return total_s, total_f
-
-
-def _amortised_time(fn, *args, reps: int, inner: int) -> float:
-  """Median over `reps` of (time of `inner` back-to-back calls, waited on once) / inner."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(inner)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times)
 
 
 def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
