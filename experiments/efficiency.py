@@ -15,7 +15,10 @@ digits). Accuracy is greedy, held-out, on the band.
   R      replay ring (decoupled-PPO correction)
   S+R    both
   S+R+L  both + DAPO overlong shaping and filtering
-  K      B0 + Kimi k1.5's group length reward (length.length_reward; the reasoning default)
+  K      B0 + Kimi k1.5's group length reward (length.length_reward; the reasoning default,
+         0.5); K<w> at weight w (e.g. K0.1)
+  D      Dr. GRPO advantages (rl.advantage=dr_grpo: r - mean_g, no std division), e.g.
+         D+K0.2, where the length reward's weight then sets its push in all-correct groups
   O      B0 with generation and training overlapped on two sub-meshes, one step off-policy
          (pipeline.mode=overlap; needs --cpu_devices >= 2): what the staleness costs
   +A     with rl.anchor=behaviour (e.g. O+A): the clip around the behaviour policy
@@ -92,7 +95,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
-_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|R\d*|N\d+|K(\d+(\.\d*)?|\.\d+)?)$")
+_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|R\d*|N\d+|K(\d+(\.\d*)?|\.\d+)?)$")
 
 
 def arm_overrides(arm: str, select_mode: str) -> dict:
@@ -101,7 +104,7 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   bad = [t for t in toks if not _ARM_TOKEN.match(t)]
   if bad or (len(toks) > 1 and ({"B0", "B1"} & set(toks))):
     raise ValueError(f"arm {arm!r}: unknown part(s) {bad or sorted({'B0', 'B1'} & set(toks))}; "
-                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, R[rows], "
+                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, R[rows], "
                      "N<passes>, K[weight] (e.g. V+S+R32, K0.2)")
   if arm == "B1":
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
@@ -142,6 +145,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o["pipeline.mode"] = "overlap"
   if "A" in toks:  # the clip around the behaviour policy (as the R arms use)
     o["rl.anchor"] = "behaviour"
+  if "D" in toks:  # Dr. GRPO advantages: r - mean_g, no division by the group's std
+    o["rl.advantage"] = "dr_grpo"
   return o
 
 

@@ -60,6 +60,8 @@ def test_arm_names_are_checked_and_k_takes_a_weight():
   assert efficiency.arm_overrides("K0.2", "band") == {"length.length_reward": 0.2}
   assert efficiency.arm_overrides("S+K.1", "band") == {"selection.mode": "band",
                                                       "length.length_reward": 0.1}
+  assert efficiency.arm_overrides("D+K0.2", "band") == {"rl.advantage": "dr_grpo",
+                                                       "length.length_reward": 0.2}
   # A typo used to run as plain GRPO under the typo's name; now it stops before any run.
   for bad, part in (("Z", "Z"), ("K0.2x", "K0.2x"), ("S+", ""), ("N", "N"), ("B0+S", "B0")):
     with pytest.raises(ValueError, match=re.escape(f"arm {bad!r}: unknown part(s) [{part!r}]")):
