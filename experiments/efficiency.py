@@ -101,9 +101,9 @@ _ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|R\d*|N\d+|K(\d+(\.\d*)?|\.\d+)
 def arm_overrides(arm: str, select_mode: str) -> dict:
   o = {}
   toks = arm.split("+")
-  bad = [t for t in toks if not _ARM_TOKEN.match(t)]
-  if bad or (len(toks) > 1 and ({"B0", "B1"} & set(toks))):
-    raise ValueError(f"arm {arm!r}: unknown part(s) {bad or sorted({'B0', 'B1'} & set(toks))}; "
+  bad = [t for t in toks if not _ARM_TOKEN.match(t) or (len(toks) > 1 and t in ("B0", "B1"))]
+  if bad:
+    raise ValueError(f"arm {arm!r}: unknown part(s) {bad}; "
                      "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, R[rows], "
                      "N<passes>, K[weight] (e.g. V+S+R32, K0.2)")
   if arm == "B1":

@@ -26,8 +26,9 @@ def xla_flops(jitted, *args) -> float:
   lowered (pre-optimisation) HLO, where every matmul is still a dot. The compiled module's
   count misses work moved into library calls: on an H200 (jax 0.11.2) it counted 60-101
   GFLOP for a 100M model's forward + backward of ~2,600, and 24 for its forward of ~870
-  (cuBLAS GEMMs are custom calls; the count varied with which fusions autotuning picked). On CPU the two agree. The
-  compiled count is the fallback where a backend cannot analyse the lowered module."""
+  (cuBLAS GEMMs are custom calls; the count varied with which fusions autotuning picked).
+  On CPU the two agree. The compiled count is the fallback where a backend cannot analyse
+  the lowered module."""
   lowered = jitted.lower(*args)
   for analyse in (lowered.cost_analysis, lambda: lowered.compile().cost_analysis()):
     try:
