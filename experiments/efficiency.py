@@ -3,6 +3,10 @@ r"""Tokens-to-target benchmark: does rlx reach the same accuracy with fewer gene
 --task=arith (default): all arms start from the same warm-start model (experiments/arith.py's)
 and train on the same prompt pool, which mixes solved (2-digit), uncertain (3-4 digit, the
 band) and impossible (5-digit) problems, as a real RL data set does.
+--task=chains: experiments/chains.py (rlx.data.op_chains: 48 digit permutations in chains of
+1-4, a teacher unreliable on half of them at three rates; many skills, most groups
+zero-variance, a band that moves). Accuracy is greedy, held-out, on chains with an unreliable
+operator (levels 2-4).
 --task=reasoning: experiments/reasoning.py (worked column addition, 15-200-token completions),
 with its length reward off in every arm but K, and 200 held-out problems per band level (3-4
 digits). Accuracy is greedy, held-out, on the band.
@@ -26,6 +30,14 @@ digits). Accuracy is greedy, held-out, on the band.
          rl.group_size - first more for --adaptive_extend groups (default half), the most
          uncertain first: 3/4 of B0's sequences per step at the defaults (G0 4, G 8)
   U      as V, unsolved groups first (AR3PO)
+  H      SRPO's history resampling (selection.mode=history: prompts all-correct at their last
+         visit wait selection.history_cooldown steps)
+  G      GRESO's probabilistic skip (selection.mode=skip: a prompt zero-variance at its last z
+         visits is kept with probability skip_keep_base^z)
+  X      the oracle selector (selection.mode=oracle): prompts chosen by their true current
+         pass rate, probed by teacher forcing; not a lever but the headroom any selection
+         could reach (its probes are FLOPs, counted in the FLOPs column, not generated tokens)
+  P<k>   k fresh prompts per step (e.g. S+P8): each arm's own batch shape
   R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each
          batch (e.g. R+N2): the update-to-data ratio
   <arm>@<lr>  the arm at its own optim.lr (e.g. R32@7.5e-5); --lrs=a,b,c runs every arm at
@@ -57,7 +69,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-_TASK = flags.DEFINE_enum("task", "arith", ["arith", "reasoning"], "Task family.")
+_TASK = flags.DEFINE_enum("task", "arith", ["arith", "reasoning", "chains"], "Task family.")
 _ROOT = flags.DEFINE_string("workdir_root", "/tmp/rlx_efficiency", "Where runs go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short runs (<= 15 min on 2 cores).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per arm.")
@@ -89,13 +101,17 @@ _LRS = flags.DEFINE_list("lrs", [], "Run every arm at each of these optim.lr val
 _GROUP = flags.DEFINE_integer("group_size", 0, "rl.group_size of every arm (0: the config's).")
 _TARGET = flags.DEFINE_float("target", 0.0, "Fixed target band accuracy (0: from a pilot B0 "
                              "run); a tuning grid fixes it once for all its cells.")
+_TARGET_GAIN = flags.DEFINE_float("target_gain", 0.0, "Target from the pilot as base + this "
+                                   "share of its base-to-plateau gain (0: the plateau minus "
+                                   "0.02; --task=chains defaults to 0.5).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
-_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|R\d*|N\d+|K(\d+(\.\d*)?|\.\d+)?)$")
+_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|R\d*|N\d+|P\d+|"
+                        r"K(\d+(\.\d*)?|\.\d+)?)$")
 
 
 def arm_overrides(arm: str, select_mode: str) -> dict:
@@ -104,8 +120,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   bad = [t for t in toks if not _ARM_TOKEN.match(t) or (len(toks) > 1 and t in ("B0", "B1"))]
   if bad:
     raise ValueError(f"arm {arm!r}: unknown part(s) {bad}; "
-                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, R[rows], "
-                     "N<passes>, K[weight] (e.g. V+S+R32, K0.2)")
+                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, "
+                     "R[rows], N<passes>, P<prompts>, K[weight] (e.g. V+S+R32, K0.2, X+P8)")
   if arm == "B1":
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
   if "S" in toks:
@@ -147,6 +163,15 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o["rl.anchor"] = "behaviour"
   if "D" in toks:  # Dr. GRPO advantages: r - mean_g, no division by the group's std
     o["rl.advantage"] = "dr_grpo"
+  if "H" in toks:
+    o["selection.mode"] = "history"
+  if "G" in toks:
+    o["selection.mode"] = "skip"
+  if "X" in toks:
+    o["selection.mode"] = "oracle"
+  for t in toks:
+    if t[:1] == "P" and t[1:].isdigit():
+      o["rl.prompts_per_step"] = int(t[1:])
   return o
 
 
@@ -189,12 +214,19 @@ def b0_of(cell: str, cells) -> str | None:
   return same[0] if same else ("B0" if "B0" in cells else None)
 
 
+def arm_family(name: str) -> str:
+  """The arm without its batch shape (P<k>): the cells a tuning grid compares as one arm
+  ("S+P8" -> "S", "P8" -> "B0")."""
+  toks = [t for t in name.split("+") if not (t[:1] == "P" and t[1:].isdigit())]
+  return "+".join(toks) or "B0"
+
+
 def best_cells(ttt: dict) -> dict:
-  """{arm name: its cell (arm@lr) with the fewest median tokens to target}, over the cells of
-  each arm name (censored runs count as infinite; the first cell wins a tie)."""
+  """{arm family: its cell (arm@lr) with the fewest median tokens to target}, over the cells
+  of each arm family (censored runs count as infinite; the first cell wins a tie)."""
   best = {}
   for cell, t in ttt.items():
-    name = split_arm(cell)[0]
+    name = arm_family(split_arm(cell)[0])
     if name not in best or np.median(t) < np.median(ttt[best[name]]):
       best[name] = cell
   return best
@@ -205,15 +237,18 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
   import rlx  # pylint: disable=g-import-not-at-top
   from rlx import configs  # pylint: disable=g-import-not-at-top
   common = {"seed": seed, "total_steps": steps, "eval_every": eval_every,
-            "checkpoint_every": steps, "task.eval_levels": (3, 4), "warm_start.dir": base_dir,
-            "task.data_dir": data_dir}
+            "checkpoint_every": steps, "warm_start.dir": base_dir, "task.data_dir": data_dir}
+  if _TASK.value != "chains":
+    common["task.eval_levels"] = (3, 4)
   if _PROMPTS.value:
     common["rl.prompts_per_step"] = _PROMPTS.value
   if _LR.value:
     common["optim.lr"] = _LR.value
   if _GROUP.value:
     common["rl.group_size"] = _GROUP.value
-  if _TASK.value == "reasoning":
+  if _TASK.value == "chains":
+    base = rlx.load_config(os.path.join(HERE, "chains.py"))
+  elif _TASK.value == "reasoning":
     base = rlx.load_config(os.path.join(HERE, "reasoning.py"))
     # 400 held-out band problems as on arith; plain GRPO has no length reward.
     common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
@@ -237,15 +272,34 @@ def run_one(config, workdir: str) -> dict:
   t0 = time.time()
   trainer.run(config, workdir, log=lambda s: None, show_progress=False)
   wall = time.time() - t0
-  tokens, curve = 0.0, []
+  tokens, step_s, units, curve, extra = 0.0, 0.0, 0.0, [], []
+  levels: dict[str, list] = {}
   for line in read_metrics(workdir):
     tokens += line.get("ledger/tokens_generated", 0.0)
+    step_s += line.get("time/step_s", 0.0)
+    units += compute_units(line)
+    for k, v in line.items():
+      if k.startswith("ledger/mixed_groups_d"):
+        levels.setdefault(k[len("ledger/mixed_groups_d"):], []).append(v)
+    if "ledger/zero_adv_group_frac" in line:
+      levels.setdefault("zero_var", []).append(line["ledger/zero_adv_group_frac"])
     if "eval/band_accuracy" in line:
       curve.append((line["step"], tokens, line["eval/band_accuracy"]))
-  out = {"curve": curve, "wall_s": wall}
+      extra.append((line["step"], step_s, units))
+  # extra[i] = (step, seconds in train steps so far, compute units so far) at curve[i].
+  out = {"curve": curve, "extra": extra, "per_step": levels, "wall_s": wall}
   with open(done_path, "w") as f:
     json.dump(out, f)
   return out
+
+
+def compute_units(line: dict) -> float:
+  """A step's model compute in forward-token units (one unit = 2 x params FLOPs): prompts
+  prefilled and tokens generated (1 each), tokens trained on incl. replayed rows (3: forward +
+  backward; the pi_old pass is fused into the first gradient pass), and the oracle's
+  teacher-forced probes (1 each)."""
+  return (line.get("ledger/prompt_tokens", 0.0) + line.get("ledger/tokens_generated", 0.0) +
+          3.0 * line.get("ledger/tokens_trained", 0.0) + line.get("ledger/probe_tokens", 0.0))
 
 
 SUSTAIN_MARGIN = 0.03  # ~1.4 standard errors of a 400-prompt band evaluation near p = 0.75
@@ -259,10 +313,39 @@ def tokens_to_target(curve, target, margin=SUSTAIN_MARGIN):
   steps and falls back (visible in every arm's curve), and a short run's target can sit
   below that jump; a single noisy evaluation above the target does not count either.
   """
-  for i, (_, tokens, acc) in enumerate(curve[:-1]):
+  i = first_sustained(curve, target, margin)
+  return math.inf if i is None else curve[i][1]
+
+
+def first_sustained(curve, target, margin=SUSTAIN_MARGIN):
+  """Index of the evaluation `tokens_to_target` stops at (None: never)."""
+  for i, (_, _, acc) in enumerate(curve[:-1]):
     if acc >= target - 1e-9 and min(a for _, _, a in curve[i + 1:]) >= target - margin - 1e-9:
-      return tokens
-  return math.inf
+      return i
+  return None
+
+
+def at_target(run: dict, target, what: str, margin=SUSTAIN_MARGIN) -> float:
+  """A run's optimizer steps ("steps"), train-step seconds ("wall") or compute units ("flops")
+  at its tokens-to-target evaluation (inf: never reached)."""
+  i = first_sustained(run["curve"], target, margin)
+  if i is None:
+    return math.inf
+  step, wall, units = run["extra"][i]
+  return {"steps": step, "wall": wall, "flops": units}[what]
+
+
+def area_under_curve(curve, budget):
+  """Mean band accuracy over generated tokens 0..budget (step function through each eval)."""
+  area, prev_t, prev_a = 0.0, 0.0, curve[0][2]
+  for _, t, a in curve[1:]:
+    t = min(t, budget)
+    area += prev_a * max(t - prev_t, 0.0)
+    prev_t, prev_a = t, a
+    if t >= budget:
+      break
+  area += prev_a * max(budget - prev_t, 0.0)
+  return area / budget if budget > 0 else math.nan
 
 
 def accuracy_at(curve, budget):
@@ -301,7 +384,9 @@ def main(_):
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   quick = _QUICK.value
   reasoning = _TASK.value == "reasoning"
-  steps = _STEPS.value or ((60 if quick else 100) if reasoning else (80 if quick else 200))
+  chains = _TASK.value == "chains"
+  steps = _STEPS.value or ((300 if quick else 400) if chains else
+                           (60 if quick else 100) if reasoning else (80 if quick else 200))
   arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L", "V"] +
                          (["K"] if reasoning else []))
   if _LRS.value and _LR.value:
@@ -310,7 +395,7 @@ def main(_):
   arms = expand_arms(arms, _LRS.value)
   for arm in arms:  # every arm's name checked before the first run starts
     arm_overrides(split_arm(arm)[0], _SELECT.value)
-  eval_every = _EVAL_EVERY.value or 5
+  eval_every = _EVAL_EVERY.value or (10 if chains else 5)
   root = _ROOT.value
   os.makedirs(root, exist_ok=True)
   t_start = time.time()
@@ -332,7 +417,11 @@ def main(_):
                     os.path.join(root, "pilot_B0"))
     base_acc, pilot_final = pilot["curve"][0][2], pilot["curve"][-1][2]
     late = [acc for step, _, acc in pilot["curve"] if step >= 2 * steps / 3]
-    target = math.floor(100 * (float(np.mean(late)) - 0.02)) / 100
+    gain = _TARGET_GAIN.value or (0.5 if chains else 0.0)
+    if gain:
+      target = math.floor(100 * (base_acc + gain * (float(np.mean(late)) - base_acc))) / 100
+    else:
+      target = math.floor(100 * (float(np.mean(late)) - 0.02)) / 100
     print(f"[efficiency] base band accuracy {base_acc:.3f}; pilot B0 final {pilot_final:.3f}; "
           f"target fixed at {target:.2f}", flush=True)
 
@@ -393,6 +482,7 @@ def main(_):
       ratio = f"{point:.2f}x ({lo:.2f}-{hi:.2f})" if np.isfinite(point) else "n/a (censored)"
       lines.append(f"| {name} | {cell} | {fmt_tokens(float(np.median(ttt[cell])))} | "
                    f"{'1.00x' if cell == b0 else ratio} |")
+  lines += more_metrics(results, ttt, target, budget)
   text = "\n".join(lines)
   print("\n" + text)
   print("\n(ratio = B0 tokens / arm tokens: >1 means the arm needs fewer generated tokens)")
@@ -405,6 +495,54 @@ def main(_):
   plot(results, target, base_acc, os.path.join(root, "efficiency.png"))
   print(f"\n[efficiency] wrote {root}/results.md, results.json, efficiency.png "
         f"in {(time.time() - t_start) / 60:.1f} min")
+
+
+def gain_thresholds(results: dict, ttt: dict) -> tuple[float, float, list[float]]:
+  """(base, plateau, accuracies at 25/50/75% of B0's base-to-plateau gain): base is the
+  step-0 band accuracy, the plateau the median over B0's runs of their last third's mean."""
+  b0 = best_cells(ttt).get("B0") or next(iter(results))
+  base = float(np.median([r["curve"][0][2] for rs in results.values() for r in rs]))
+  plateau = float(np.median([
+      np.mean([a for st, _, a in r["curve"] if st >= 2 * r["curve"][-1][0] / 3])
+      for r in results[b0]]))
+  return base, plateau, [base + f * (plateau - base) for f in (0.25, 0.5, 0.75)]
+
+
+def more_metrics(results: dict, ttt: dict, target: float, budget: float) -> list[str]:
+  """The other ways to count "fewer" (issue 36): tokens to 25/50/75% of B0's gain, area under
+  accuracy-vs-tokens, optimizer steps, train-step seconds and compute to target; each arm's
+  best cell, medians over seeds, ratio = B0 / arm (>1: the arm needs less)."""
+  best = best_cells(ttt)
+  if "B0" not in best:
+    return []
+  base, plateau, levels = gain_thresholds(results, ttt)
+  cols = [f"tokens to {int(100 * f)}% gain" for f in (0.25, 0.5, 0.75)]
+  cols += ["AUC @ budget", "steps to target", "step-seconds to target", "compute to target"]
+
+  def values(cell):
+    rs = results[cell]
+    out = [[tokens_to_target(r["curve"], lv) for r in rs] for lv in levels]
+    out.append([area_under_curve(r["curve"], budget) for r in rs])
+    for what in ("steps", "wall", "flops"):
+      out.append([at_target(r, target, what) if "extra" in r else math.nan for r in rs])
+    return [float(np.median(v)) for v in out]
+
+  ref = values(best["B0"])
+  lines = ["", f"Other measures (best cells; B0's gain: base {base:.3f} -> plateau "
+           f"{plateau:.3f}; compute in forward-token units, 2 x params FLOPs each; ratio = "
+           f"B0 / arm, AUC arm / B0):", "",
+           "| arm | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+  for name, cell in best.items():
+    row = []
+    for j, (v, r) in enumerate(zip(values(cell), ref)):
+      if j == 3:  # AUC: higher is better
+        row.append(f"{v:.3f} ({v / r:.2f}x)" if r > 0 else f"{v:.3f}")
+      elif math.isfinite(v) and math.isfinite(r) and v > 0:
+        row.append(f"{v:.4g} ({r / v:.2f}x)")
+      else:
+        row.append("censored" if not math.isfinite(v) else f"{v:.4g}")
+    lines.append(f"| {name} ({cell}) | " + " | ".join(row) + " |")
+  return lines
 
 
 def plot(results, target, base_acc, path):

@@ -127,8 +127,15 @@ class StepConfig:
   # Adaptive rollout budgets (rlx.rl.adaptive): G0 samples per prompt, then group_size - G0
   # more for extend_groups of the groups. None: every group gets group_size samples.
   adaptive: adaptive_lib.AdaptiveConfig | None = None
+  # Difficulty levels whose mixed (non-zero-variance) groups the ledger counts per step
+  # (ledger/mixed_groups_d<level>): where the uncertain band is.
+  ledger_levels: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if self.selection.mode == "oracle" and self.verifier.kind != "exact_match":
+      raise ValueError(f"selection.mode='oracle' needs an exact-match task (one correct "
+                       f"completion, whose probability is the pass rate); this task's verifier "
+                       f"is {self.verifier.kind!r}.")
     if self.adaptive is not None:
       self.adaptive.check(self.prompts_per_step, self.group_size,
                           self.selection.dynamic_filter)
@@ -232,14 +239,18 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   """
   rng, k_choose, k_sample = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
   n, g = cfg.sampled_groups, cfg.group_size
-  ids = selection.choose(state.selector, cfg.selection, k_choose, pool.size, n, state.step)
+  stats = {}
+  if cfg.selection.mode == "oracle":
+    ids, stats = oracle_choose(state, pool, k_choose, n, graphdef=graphdef, cfg=cfg)
+  else:
+    ids = selection.choose(state.selector, cfg.selection, k_choose, pool.size, n, state.step)
   rows = jnp.repeat(ids, g)
   chosen = pool.take(rows)
   valid = None
-  stats = {}
   if cfg.adaptive is not None:
-    ro, rewards, valid, stats = _generate_adaptive(state, pool, ids, k_sample,
-                                                   graphdef=graphdef, cfg=cfg, mesh=mesh)
+    ro, rewards, valid, more = _generate_adaptive(state, pool, ids, k_sample,
+                                                  graphdef=graphdef, cfg=cfg, mesh=mesh)
+    stats.update(more)
     if mesh is not None:
       chosen, rows = shd.constrain_batch((chosen, rows), mesh)
   else:
@@ -254,6 +265,11 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
     for i in range(hist.shape[0]):
       lo, hi = selection.HIST_BINS[i], selection.HIST_BINS[i + 1]
       stats[f"select/pass_rate_hist_{lo:.1f}-{hi:.1f}"] = hist[i].astype(jnp.float32)
+  # Prompt tokens prefilled (one per sampled sequence: the dense sampler's count; the paged
+  # one prefills each group's prompt once): the compute-cost column of efficiency.py.
+  sampled = jnp.ones(rows.shape, bool) if valid is None else valid
+  stats["ledger/prompt_tokens"] = jnp.where(sampled, chosen.prompt_lens, 0).sum().astype(
+      jnp.float32)
   zeros = jnp.zeros(rows.shape, jnp.float32)
   batch = Batch(prompts=chosen.prompts, prompt_lens=chosen.prompt_lens, completions=ro.tokens,
                 behaviour_logp=ro.logprobs, lengths=ro.lengths, truncated=ro.truncated,
@@ -265,6 +281,39 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
     if valid is not None:
       valid = shd.constrain_batch(valid, mesh)
   return state.replace(rng=jax.random.key_data(rng)), Rollouts(batch, stats, valid), rewards
+
+
+def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
+                  cfg: StepConfig):
+  """selection.mode="oracle": n prompts chosen by their true current pass rate.
+
+  On an exact-match task a prompt's pass rate under sampling at temperature T is the
+  probability of its one correct completion (the answer tokens + EOS), which one
+  teacher-forced forward gives exactly (top-k / top-p truncation, if set, is ignored). The
+  forwards are counted in ledger/probe_tokens: the oracle's cost is FLOPs, not generated
+  tokens. Returns (ids i32[n], stats).
+  """
+  k_cand, k_tie = jax.random.split(key)
+  c = min(cfg.selection.oracle_candidates or pool.size, pool.size)
+  if c < pool.size:
+    cand = jax.random.choice(k_cand, pool.size, (c,), replace=False).astype(jnp.int32)
+  else:
+    cand = jnp.arange(pool.size, dtype=jnp.int32)
+  sub = pool.take(cand)
+  lp, mask = completion_logprobs(graphdef, policy_params(state, cfg), sub.prompts,
+                                 sub.prompt_lens, sub.answers, sub.answer_lens,
+                                 cfg.sampling.temperature or 1.0, chunk=cfg.logprob_chunk)
+  p = jnp.exp(jnp.where(mask, lp, 0.0).sum(axis=1))
+  ids = selection.oracle_pick(p, cand, n, cfg.group_size, k_tie)
+  picked = jnp.isin(cand, ids)
+  stats = {
+      "ledger/probe_tokens": (sub.prompt_lens + sub.answer_lens).sum().astype(jnp.float32),
+      "select/oracle_pass_rate": jnp.where(picked, p, 0.0).sum() / n,
+      "select/oracle_mixed_prob": jnp.where(
+          picked, selection.mixed_group_prob(p, cfg.group_size), 0.0).sum() / n,
+      "select/oracle_pool_mixed_prob": selection.mixed_group_prob(p, cfg.group_size).mean(),
+  }
+  return ids, stats
 
 
 def _generate_adaptive(state: TrainState, pool: PromptPool, ids, key, *, graphdef,
@@ -709,6 +758,10 @@ def ledger(fresh: Batch, stats: dict, batch: Batch, mask, old_logp, replayed, po
       **stats,
   }
   out["ledger/tokens_wasted"] = out["ledger/tokens_zero_adv"] + out["ledger/tokens_discarded"]
+  level_G = fresh.difficulty.reshape(-1, g)[:, 0]
+  for level in cfg.ledger_levels:
+    out[f"ledger/mixed_groups_d{level}"] = jnp.sum(
+        (level_G == level) & ~zero_var).astype(jnp.float32)
   if cfg.staleness_hist:  # fresh rows per staleness bin (rlx.pipeline: up to max_staleness)
     hist = replay_lib.staleness_histogram(policy_version - fresh.policy_version,
                                           jnp.ones(fresh.lengths.shape, bool))

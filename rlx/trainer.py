@@ -59,7 +59,8 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
       drop_zero_adv_rows=rl.drop_zero_adv_rows, update_parts=rl.update_parts,
       update_micro_rows=rl.update_micro_rows,
       verifier=registry.verifier_for(spec.task, tokenizer), lora=spec.lora,
-      staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive)
+      staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive,
+      ledger_levels=tuple(sorted(set(spec.task.rl_levels or spec.task.levels))))
 
 
 def band_accuracy(m: dict[str, float], band) -> float:

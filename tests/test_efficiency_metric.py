@@ -73,3 +73,33 @@ def test_best_cells_pick_each_arms_lowest_median_with_censored_runs_infinite():
   ttt = {"B0@1": [10, 12, 14], "B0@2": [9, 30, inf], "R@1": [inf, inf, 8], "R@2": [20, 21, 22],
          "S": [5, 6, 7]}
   assert efficiency.best_cells(ttt) == {"B0": "B0@1", "R": "R@2", "S": "S"}
+
+
+def test_new_arms_history_skip_oracle_and_batch_shape():
+  assert efficiency.arm_overrides("H", "band") == {"selection.mode": "history"}
+  assert efficiency.arm_overrides("G", "band") == {"selection.mode": "skip"}
+  assert efficiency.arm_overrides("X+P8", "band") == {"selection.mode": "oracle",
+                                                     "rl.prompts_per_step": 8}
+  assert efficiency.arm_overrides("P8", "band") == {"rl.prompts_per_step": 8}
+  # A batch shape is a cell of its arm's tuning grid, not an arm of its own.
+  assert efficiency.arm_family("S+P8") == "S" and efficiency.arm_family("P8") == "B0"
+  ttt = {"B0": [10, 12], "P8": [5, 6], "S": [9, 9], "S+P8": [20, 20]}
+  assert efficiency.best_cells(ttt) == {"B0": "P8", "S": "S"}
+  with pytest.raises(ValueError, match="unknown part"):
+    efficiency.arm_overrides("P", "band")
+
+
+def test_area_under_curve_steps_and_compute_at_target():
+  c = curve([0.2, 0.4, 0.8, 0.8])  # evals at 0, 1000, 2000, 3000 tokens
+  # 0.2 over [0, 1000), 0.4 over [1000, 2000), 0.8 over [2000, 3000]
+  assert efficiency.area_under_curve(c, 3000) == pytest.approx((0.2 + 0.4 + 0.8) / 3)
+  assert efficiency.area_under_curve(c, 1500) == pytest.approx((0.2 * 1000 + 0.4 * 500) / 1500)
+  run = {"curve": c, "extra": [(0, 0.0, 0.0), (5, 1.5, 100.0), (10, 3.0, 250.0),
+                                (15, 4.0, 300.0)]}
+  assert efficiency.at_target(run, 0.8, "steps") == 10
+  assert efficiency.at_target(run, 0.8, "wall") == 3.0
+  assert efficiency.at_target(run, 0.8, "flops") == 250.0
+  assert math.isinf(efficiency.at_target(run, 0.9, "steps"))
+  line = {"ledger/prompt_tokens": 10.0, "ledger/tokens_generated": 20.0,
+          "ledger/tokens_trained": 5.0, "ledger/probe_tokens": 7.0}
+  assert efficiency.compute_units(line) == 10 + 20 + 15 + 7

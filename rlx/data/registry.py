@@ -21,6 +21,9 @@ Built in:
   arithmetic   a+b / a*b answered directly (rlx.data.arithmetic); exact-match verifier
   column_add   a+b worked column by column, then "=>answer" (rlx.data.column_add); the
                final-answer verifier reads what follows the last "=>"
+  op_chains    digit permutations applied in chains, with a per-operator unreliable teacher
+               (rlx.data.op_chains); exact match on the written chain; the efficiency
+               benchmark's many-skill task
   gsm8k, math  local JSONL files (rlx.data.math_datasets); the Python "math" reward
 """
 
@@ -188,6 +191,24 @@ def _load_column_add(task: TaskSpec, data_dir: str) -> tuple[Examples, Examples]
   return column_add.read_all(sources["train"]), column_add.read_all(sources["eval"])
 
 
+def op_chains_spec(task: TaskSpec):
+  """The op-chains dataset config.task describes (levels: 1 + op class, see op_chains)."""
+  from rlx.data import op_chains  # pylint: disable=g-import-not-at-top
+  _check_sizes(task, "op classes (1 + class)")
+  try:
+    return op_chains.OpChainsSpec(
+        levels=task.levels, num_train_per_level=task.num_train_per_level,
+        num_eval_per_level=task.num_eval_per_level, seed=task.seed)
+  except ValueError as e:
+    raise ConfigError(f"config.task: {e}") from None
+
+
+def _load_op_chains(task: TaskSpec, data_dir: str) -> tuple[Examples, Examples]:
+  from rlx.data import op_chains  # pylint: disable=g-import-not-at-top
+  sources = op_chains.build(op_chains_spec(task), data_dir)
+  return op_chains.read_all(sources["train"]), op_chains.read_all(sources["eval"])
+
+
 def _load_math(task: TaskSpec, data_dir: str) -> tuple[Examples, Examples]:
   from rlx.data import math_datasets  # pylint: disable=g-import-not-at-top
   name = task.name
@@ -217,6 +238,11 @@ register_task("column_add", TaskDef(
     load=_load_column_add, cache_key=_asdict(column_add_spec), warm_start=True,
     verifier="final_answer", answer_marker="=>", tokenizer_symbols=("=>",),
     difficulty="number of digits"))
+register_task("op_chains", TaskDef(
+    load=_load_op_chains, cache_key=_asdict(op_chains_spec), warm_start=True,
+    # op_chains.OP_SYMBOLS (not imported here: it pulls in TFDS): one token per operator.
+    tokenizer_symbols=tuple("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+    difficulty="1 + the class of the chain's least reliable operator"))
 register_task("gsm8k", TaskDef(load=_load_math, reward="math",
                                difficulty="number of solution steps"))
 register_task("math", TaskDef(load=_load_math, reward="math", difficulty="MATH level"))

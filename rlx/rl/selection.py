@@ -26,6 +26,13 @@ Modes (`SelectionConfig.mode`):
   skip     GRESO's pre-rollout filtering (Li et al. 2025, arXiv 2506.02177): a prompt whose
            last z visits all had zero-variance groups is kept with probability
            `skip_keep_base ** z` (never 0, so it can come back), else skipped.
+  oracle   a measuring instrument, not a lever: `oracle_candidates` prompts drawn uniformly
+           are scored by their *true* current pass rate p, the probability of the task's one
+           correct completion under the current policy (teacher-forced log-prob of the
+           exact-match answer, rlx.train.oracle_choose), and the n with the highest chance of
+           a mixed group, 1 - p^G - (1-p)^G, are sampled. The probe forwards are counted in
+           ledger/probe_tokens (FLOPs), not in generated tokens. It bounds what any
+           history-based selection can win on a task (issue 36's headroom measurement).
 Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
 arXiv 2503.14476): sample `oversample` x the needed groups, keep groups with non-zero
 reward variance first; the discarded rollouts are still counted in the token ledger.
@@ -41,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-MODES = ("uniform", "band", "history", "skip")
+MODES = ("uniform", "band", "history", "skip", "oracle")
 BUCKET_SCORES = ("mean", "spread")
 HIST_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
@@ -59,6 +66,7 @@ class SelectionConfig:
   # band mode, unvisited prompts: "mean" scores 4 p(1-p) at the bucket's mean pass rate;
   # "spread" scores 4 E[p(1-p)] over the bucket's groups (SelectorState.group_pq).
   bucket_score: str = "mean"
+  oracle_candidates: int = 256  # oracle: prompts probed per step (0: the whole pool)
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -71,6 +79,9 @@ class SelectionConfig:
       raise ValueError(f"selection skip_keep_base={self.skip_keep_base}; expected (0, 1].")
     if self.oversample < 1:
       raise ValueError(f"selection oversample={self.oversample}; expected >= 1.")
+    if self.oracle_candidates < 0:
+      raise ValueError(f"selection oracle_candidates={self.oracle_candidates}; expected >= 0 "
+                       f"(0: the whole pool).")
     if self.bucket_score not in BUCKET_SCORES:
       raise ValueError(f"selection bucket_score={self.bucket_score!r}; expected one of "
                        f"{BUCKET_SCORES}.")
@@ -142,6 +153,19 @@ def choose(sel: SelectorState | None, cfg: SelectionConfig, key, num_prompts: in
   logw = jnp.where(w > 0, jnp.log(jnp.maximum(w, 1e-30)), -1e9)
   gumbel = jax.random.gumbel(k_g, (num_prompts,))
   return jax.lax.top_k(logw + gumbel, n)[1].astype(jnp.int32)
+
+
+def mixed_group_prob(p, group_size: int):
+  """Chance that a group of `group_size` samples at pass rate p has both rewards (signal)."""
+  p = jnp.clip(p, 0.0, 1.0)
+  return 1.0 - p ** group_size - (1.0 - p) ** group_size
+
+
+def oracle_pick(p_C, candidate_ids_C, n: int, group_size: int, key):
+  """The n candidates most likely to give a mixed group (ties broken at random)."""
+  score = mixed_group_prob(p_C, group_size)
+  noise = 1e-6 * jax.random.uniform(key, score.shape)
+  return candidate_ids_C[jax.lax.top_k(score + noise, n)[1]].astype(jnp.int32)
 
 
 def update(sel: SelectorState, cfg: SelectionConfig, prompt_ids_P, rewards_PxG, step,
