@@ -3,18 +3,21 @@ saves, config changes on resume, host rewards that hang or exit, signals before 
 
 import errno
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
 import pytest
 
 from rlx import checkpoint, configs, trainer
-from rlx.workdir import WorkdirBusy, WorkdirLock
+from rlx.workdir import UnsafeLockFile, WorkdirBusy, WorkdirLock
 from test_main import ARITH, REPO, runlocal_config
 
 ONE = dict(devices=jax.devices()[:1])
@@ -109,6 +112,54 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
       WorkdirLock(str(tmp_path)).acquire()
 
 
+def _plant_symlink(wd, target):
+  os.symlink(target, wd / ".rlx.lock")
+
+
+def _plant_dangling_symlink(wd, target):
+  os.symlink(target.parent / "created_by_rlx", wd / ".rlx.lock")
+
+
+def _plant_hard_link(wd, target):
+  os.link(target, wd / ".rlx.lock")
+
+
+@pytest.mark.parametrize("plant", [_plant_symlink, _plant_dangling_symlink, _plant_hard_link])
+def test_a_linked_lock_file_is_refused_and_its_target_untouched(tmp_path, plant):
+  # Regression (issue 37, N3): rlx opened WORKDIR/.rlx.lock following a symlink and truncated
+  # the target, which may lie outside the workdir.
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  target = outside / "precious.txt"
+  target.write_text("do not truncate me\n")
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  plant(wd, target)
+  with pytest.raises(UnsafeLockFile) as info:
+    trainer.run(runlocal_config(**{"mesh.data": 1}), str(wd), **QUIET)
+  msg = str(info.value)
+  assert "\n" not in msg
+  assert f"the lock file {wd / '.rlx.lock'} is a " in msg and "never follows a link" in msg
+  assert target.read_text() == "do not truncate me\n"
+  assert sorted(os.listdir(outside)) == ["precious.txt"]  # a dangling link created nothing
+  assert sorted(os.listdir(wd)) == [".rlx.lock"]  # nothing else was written
+
+
+def test_a_symlinked_lock_file_is_one_line_from_the_cli(tmp_path):
+  target = tmp_path / "precious.txt"
+  target.write_text("keep\n")
+  wd = tmp_path / "wd"
+  wd.mkdir()
+  os.symlink(target, wd / ".rlx.lock")
+  out = subprocess.run(_cli(wd), capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=_env())
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      f"rlx: error: the lock file {wd / '.rlx.lock'} is a symbolic link (to {target})")
+  assert "Traceback" not in out.stderr
+  assert target.read_text() == "keep\n"
+
+
 def test_an_unwritable_checkpoint_directory_fails_before_training(tmp_path):
   (tmp_path / "checkpoints").write_text("a file where the checkpoints would go")
   with pytest.raises(configs.ConfigError, match=r"checkpoint directory '.*checkpoints' is not "
@@ -144,18 +195,34 @@ def _reward_module(tmp_path, body):
   sys.modules.pop("user_rewards", None)
 
 
-def test_a_hung_reward_times_out_with_one_line(tmp_path):
-  _reward_module(tmp_path, """
-      import time
+def _backtracking_length(seconds: float) -> int:
+  """n such that re.match(r'(a+)+$', 'a' * n + 'b') holds the GIL for about `seconds` or more
+  on this machine (each extra 'a' doubles the time): a stall that is long, but finite."""
+  t0 = time.perf_counter()
+  re.match(r"(a+)+$", "a" * 18 + "b")
+  t = max(time.perf_counter() - t0, 1e-4)
+  return min(40, 18 + max(1, math.ceil(math.log2(seconds / t))))
+
+
+def test_a_reward_holding_the_gil_times_out_with_one_line(tmp_path):
+  # A catastrophic regex runs in C holding the GIL: a reward thread in the trainer's process
+  # would block the timeout check until it returned (here ~30 s, then the run went on).
+  started = tmp_path / "started"
+  _reward_module(tmp_path, f"""
+      import os, re, time
       def slow(prompts, completions, **unused):
-        time.sleep(5)
+        if not os.path.exists({str(started)!r}):  # the first call only (the base evaluation)
+          with open({str(started)!r}, "w") as f:
+            f.write(repr(time.time()))
+          re.match(r"(a+)+$", "a" * {_backtracking_length(30.0)} + "b")
         return [0.0] * len(prompts)
   """)
   with pytest.raises(trainer.RewardError, match=r"reward function 'user_rewards:slow' did not "
-                     r"return within 0.5 s \(config.task.reward_timeout_s\)"):
+                     r"return within 1 s \(config.task.reward_timeout_s\)"):
     trainer.run(runlocal_config(**{"task.reward": "user_rewards:slow", "mesh.data": 1,
-                                   "task.reward_timeout_s": 0.5, "eval_every": 100}),
+                                   "task.reward_timeout_s": 1.0, "eval_every": 100}),
                 str(tmp_path / "wd"), **QUIET)
+  assert time.time() - float(started.read_text()) < 10
 
 
 def test_a_reward_calling_sys_exit_is_an_error_not_a_clean_exit(tmp_path):
@@ -171,17 +238,19 @@ def test_a_reward_calling_sys_exit_is_an_error_not_a_clean_exit(tmp_path):
 
 
 def test_sigterm_during_a_hung_reward_checkpoints_and_exits_75(tmp_path):
+  # The reward hangs in C code holding the GIL (catastrophic backtracking, hours): SIGTERM
+  # still checkpoints and exits 75 at once.
   mods = tmp_path / "mods"
   mods.mkdir()
   (mods / "hang_reward.py").write_text(textwrap.dedent("""
-      import os, time
+      import os, re
       calls = 0
       def reward(prompts, completions, *, answer, **unused):
         global calls
         calls += 1
         if calls > int(os.environ["HANG_AFTER"]):  # eval scores 1 call, each step 1 more
           open(os.environ["HANG_MARKER"], "w").close()
-          time.sleep(3600)
+          re.match(r"(a+)+$", "a" * 40 + "b")
         return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
   """))
   wd, marker = tmp_path / "wd", tmp_path / "hanging"
@@ -190,11 +259,91 @@ def test_sigterm_during_a_hung_reward_checkpoints_and_exits_75(tmp_path):
              tmp_path / "run.log",
              _env(path=[str(mods)], HANG_AFTER="3", HANG_MARKER=str(marker)))
   run.wait_for(marker.exists)
-  rc = run.stop()
+  rc = run.stop(timeout=60)
   err = run.stderr()
   assert rc == 75, err[-2000:]
   assert "stopped by SIGTERM after step 2" in err and "Traceback" not in err
   assert checkpoint.Checkpointer(str(wd)).latest_step() == 2
+
+
+_SCRIPTED_REWARD = """
+    import os, signal, time
+    def scripted(prompts, completions, *, answer, **unused):
+      # Call n (counted in a file, so across runs and processes) does $REWARD_CALL_<n>.
+      log = os.environ["REWARD_LOG"]
+      with open(log, "a") as f:
+        f.write("call\\n")
+      with open(log) as f:
+        n = len(f.read().splitlines())
+      action = os.environ.get(f"REWARD_CALL_{n}", "")
+      if action == "sigterm_self":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+      if action == "hang":
+        open(log + ".hanging", "w").close()
+        time.sleep(60)
+      return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
+"""
+
+
+def test_sigterm_during_a_reward_after_a_saved_step_exits_75(tmp_path, monkeypatch):
+  # When the last finished step is already checkpointed (checkpoint_every=1, or the step a
+  # run resumed from), a SIGTERM while the reward runs has nothing new to save: it used to
+  # try to save that step again and exit 2 with a false "could not save the checkpoint".
+  _reward_module(tmp_path, _SCRIPTED_REWARD)
+  log = tmp_path / "reward_calls"
+  monkeypatch.setenv("REWARD_LOG", str(log))
+  monkeypatch.setenv("REWARD_CALL_4", "sigterm_self")  # calls: base eval, steps 1, 2, 3
+  monkeypatch.setenv("REWARD_CALL_5", "hang")  # the first step after the resume
+  wd = str(tmp_path / "wd")
+  cfg = runlocal_config(**{"task.reward": "user_rewards:scripted", "mesh.data": 1,
+                           "checkpoint_every": 1, "eval_every": 100, "total_steps": 100})
+  already = (r"stopped by SIGTERM after step 2; checkpoint saved to .*checkpoints/2 \(already "
+             r"saved before the signal\). Rerun the same command to resume.")
+  finished = threading.Event()
+
+  def sigterm_when_hanging():
+    while not finished.wait(0.05):
+      if os.path.exists(f"{log}.hanging"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+  keep = signal.signal(signal.SIGTERM, lambda *a: None)  # a late signal must not end pytest
+  sender = threading.Thread(target=sigterm_when_hanging, daemon=True)
+  try:
+    # The reward SIGTERMs its own process while scoring step 3 ...
+    with pytest.raises(trainer.Preempted, match=already):
+      trainer.run(cfg, wd, **QUIET)
+    assert checkpoint.Checkpointer(wd).latest_step() == 2
+    # ... and, resumed, an outside SIGTERM arrives while the reward scores the next step.
+    sender.start()
+    with pytest.raises(trainer.Preempted, match=already):
+      trainer.run(cfg, wd, **QUIET)
+    assert checkpoint.Checkpointer(wd).latest_step() == 2
+  finally:
+    finished.set()
+    signal.signal(signal.SIGTERM, keep)
+  assert len(log.read_text().splitlines()) == 5
+
+
+def test_a_reward_calling_os_exit_is_one_error_line_not_a_clean_exit(tmp_path):
+  # os._exit(0) from a reward used to end the whole run with status 0 and no message.
+  mods = tmp_path / "mods"
+  mods.mkdir()
+  (mods / "exit_reward.py").write_text(textwrap.dedent("""
+      import os
+      def quits(prompts, completions, **unused):
+        os._exit(0)
+  """))
+  out = subprocess.run(_cli(tmp_path / "wd", "--config.task.reward=exit_reward:quits",
+                            "--config.eval_every=100"),
+                       capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env=_env(path=[str(mods)]))
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = [l for l in out.stderr.splitlines() if l.startswith("rlx: error:")]
+  assert len(lines) == 1 and ("reward function 'exit_reward:quits' ended its worker process "
+                              "(exit status 0" in lines[0]), out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
 
 
 def test_sigterm_before_the_rl_loop_exits_75(tmp_path):
