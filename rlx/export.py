@@ -6,9 +6,15 @@ r"""Exports a trained policy as a Hugging Face model directory.
 OUT_DIR gets config.json, model.safetensors (sharded above 5 GB) and the tokenizer files of
 the run's base model (config.model.path, config.tokenizer.path, or the built-in warm start's
 WORKDIR/base), so `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads the
-policy of checkpoint N (default: the latest). Only the params (and a LoRA run's frozen base)
-are read from the checkpoint, on the host; no accelerator is needed. A mistake exits with one
-line `rlx: error: ...` (status 2).
+policy of checkpoint N (default: the latest; a latest step directory without state/ is
+refused rather than passed over), and `transformers.AutoTokenizer.from_pretrained(OUT_DIR)`
+encodes prompts as the run did: the built-in warm start's sentencepiece model comes with a
+converted tokenizer.json and a tokenizer_config.json that adds bos, a Hugging Face model with
+its own tokenizer files. Only the params (and a LoRA run's frozen base) are read from the
+checkpoint, on the host; no accelerator is needed. The files are written into a new
+directory beside OUT_DIR and moved in at the end, so a failure (a full disk) leaves OUT_DIR
+as it was. A mistake exits with one line `rlx: error: ...` (status 2); success prints
+`wrote OUT_DIR (checkpoint step N)`.
 
 A LoRA run (config.lora.rank > 0; its checkpoint holds the adapters as `params` and the
 frozen base as `base`) is written merged by default: each adapted weight is W + alpha/r A @ B
@@ -23,9 +29,11 @@ start's base), or --base_model NAME (a directory or Hub id) when the base lives 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 from typing import Any, Sequence
@@ -35,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rlx.checkpoint import Checkpointer, CheckpointError
-from rlx.data.tokenizer import Tokenizer, load_tokenizer
+from rlx.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from rlx.model import hf
 from rlx.model.config import DTYPES, ModelConfig
 from rlx.model.lora import LoRAConfig
@@ -43,17 +51,43 @@ from rlx.model.lora import LoRAConfig
 
 def checkpoint_steps(workdir: str) -> list[int]:
   """The complete checkpoint steps of an rlx workdir, ascending."""
+  return _steps(workdir)[0]
+
+
+def _steps(workdir: str) -> tuple[list[int], list[int]]:
+  """(complete checkpoint steps, step directories without state/), each ascending."""
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"workdir {workdir!r} does not exist.")
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     raise CheckpointError(f"{workdir} is not an rlx run: it has no checkpoints/ directory.")
-  steps = sorted(int(d) for d in os.listdir(directory)
-                 if d.isdigit() and os.path.isdir(os.path.join(directory, d, "state")))
+  numbered = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+  steps = [s for s in numbered if os.path.isdir(os.path.join(directory, str(s), "state"))]
   if not steps:
     raise CheckpointError(f"{directory} holds no complete checkpoint; train longer or pick "
                           "another workdir.")
-  return steps
+  return steps, [s for s in numbered if s not in steps]
+
+
+def pick_step(workdir: str, step: int | None = None) -> int:
+  """The checkpoint step to export: `step`, or the latest. A step directory without state/
+  (a damaged or partly copied checkpoint) is refused, also as the latest: exporting the
+  step before it instead would be a silent surprise."""
+  steps, broken = _steps(workdir)
+  directory = os.path.join(workdir, "checkpoints")
+  if step is None and broken and broken[-1] > steps[-1]:
+    raise CheckpointError(f"the latest checkpoint {directory}/{broken[-1]} has no state/ (damaged "
+                          f"or partly copied); pass --step {steps[-1]} to export the newest "
+                          "complete one.")
+  if step is None:
+    return steps[-1]
+  if step in broken:
+    raise CheckpointError(f"{directory}/{step} has no state/ (damaged or partly copied); "
+                          f"complete steps are {steps}.")
+  if step not in steps:
+    raise CheckpointError(f"step {step} has no checkpoint in {directory}; saved "
+                          f"steps are {steps}.")
+  return step
 
 
 def _read_state(workdir: str, step: int, lora: LoRAConfig | None, need_base: bool) -> Any:
@@ -138,12 +172,7 @@ def export(workdir: str, out_dir: str, step: int | None = None, force: bool = Fa
   directory whose base_model_name_or_path is base_model (default: the run's base model
   directory). Returns out_dir's path.
   """
-  steps = checkpoint_steps(workdir)
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise CheckpointError(f"step {step} has no checkpoint in {workdir}/checkpoints; saved "
-                          f"steps are {steps}.")
+  step = pick_step(workdir, step)
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r}, expected one of {tuple(DTYPES)}.")
   out_dir = os.path.abspath(out_dir)
@@ -176,22 +205,120 @@ def export(workdir: str, out_dir: str, step: int | None = None, force: bool = Fa
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
     raise FileExistsError(f"OUT_DIR {out_dir} is not empty; pass --force to overwrite it.")
 
+  tokenizer = run_tokenizer(sources, config)
   state = _read_state(workdir, step, lora, need_base=lora is not None and not peft)
-  if peft:
-    hf.save_peft_adapter(model_cfg, state["params"], lora, out_dir, dtype=dtype or "float32",
-                         base_model_name_or_path=base_model or os.path.abspath(sources[0]))
-    for source in sources:
-      _copy_tokenizer(source, out_dir)
-    return out_dir
-  if lora is None:
-    hf.save_hf(model_cfg, state["params"], out_dir, dtype=dtype, source_dir=sources[0])
-  else:  # the merged model: W + alpha/r A @ B
-    hf.save_hf(model_cfg, state["base"], out_dir, dtype=dtype, source_dir=sources[0],
-               adapters=state["params"], lora_cfg=lora)
-  for extra in sources[1:]:  # config.tokenizer.path: a tokenizer file or directory
-    _copy_tokenizer(extra, out_dir)
-  _add_token_ids(out_dir, config)
+  # Written beside OUT_DIR and moved in at the end: a failure (a full disk) leaves OUT_DIR as
+  # it was, and the same command can simply run again.
+  with _staging(out_dir) as tmp:
+    if peft:
+      hf.save_peft_adapter(model_cfg, state["params"], lora, tmp, dtype=dtype or "float32",
+                           base_model_name_or_path=base_model or os.path.abspath(sources[0]))
+      for source in sources:
+        _copy_tokenizer(source, tmp)
+    else:
+      if lora is None:
+        hf.save_hf(model_cfg, state["params"], tmp, dtype=dtype, source_dir=sources[0])
+      else:  # the merged model: W + alpha/r A @ B
+        hf.save_hf(model_cfg, state["base"], tmp, dtype=dtype, source_dir=sources[0],
+                   adapters=state["params"], lora_cfg=lora)
+      for extra in sources[1:]:  # config.tokenizer.path: a tokenizer file or directory
+        _copy_tokenizer(extra, tmp)
+    _write_tokenizer_config(tokenizer, tmp)
+    if not peft:
+      _add_token_ids(tmp, tokenizer)
   return out_dir
+
+
+def run_tokenizer(sources: list[str], config: dict[str, Any]) -> Tokenizer | HFTokenizer | None:
+  """The run's tokenizer, loaded as the trainer loads it (rlx.experiment.setup): a Hugging
+  Face model's with its directory's metadata, the built-in warm start's sentencepiece model
+  on its own (None: the base directory holds no tokenizer.model)."""
+  model_path = (config.get("model") or {}).get("path") or ""
+  if model_path:
+    return load_tokenizer((config.get("tokenizer") or {}).get("path") or model_path)
+  path = os.path.join(sources[0], "tokenizer.model")
+  return Tokenizer.load(path) if os.path.exists(path) else None
+
+
+def _write_tokenizer_config(tokenizer, out_dir: str) -> None:
+  """Tokenizer files that make `AutoTokenizer.from_pretrained(out_dir)` encode as the run did.
+
+  A bare sentencepiece tokenizer (the warm start's, or a config.tokenizer.path `.model`) gets
+  a converted tokenizer.json and a tokenizer_config.json that adds bos (Tokenizer.
+  save_pretrained), replacing tokenizer files copied from the model directory, which the run
+  did not use. A tokenizer.json tokenizer is written back as rlx read it: its post-processor
+  then adds the bos / eos that tokenizer_config.json's add_bos_token / add_eos_token ask for,
+  which transformers versions that ignore those flags beside a tokenizer.json (5.x) would
+  otherwise leave out. A sentencepiece model with Hugging Face metadata keeps its files.
+  """
+  if isinstance(tokenizer, HFTokenizer):
+    tokenizer.save(out_dir)
+    return
+  if not isinstance(tokenizer, Tokenizer) or tokenizer.meta is not None:
+    return
+  for name in hf._SIDE_FILES:  # pylint: disable=protected-access
+    if name != "generation_config.json" and os.path.exists(os.path.join(out_dir, name)):
+      os.remove(os.path.join(out_dir, name))
+  tokenizer.save_pretrained(out_dir)
+
+
+def _missing_ancestor(path: str) -> str | None:
+  """The outermost directory of `path` (itself included) that does not exist yet."""
+  missing = None
+  while path and not os.path.lexists(path):
+    missing, path = path, os.path.dirname(path)
+  return missing
+
+
+@contextlib.contextmanager
+def _staging(out_dir: str):
+  """A new directory beside out_dir to write into; its files become out_dir's on success.
+  On any failure it is removed (with the parents it needed) and out_dir is untouched; an
+  OSError becomes one that names out_dir."""
+  parent = os.path.dirname(out_dir)
+  created = _missing_ancestor(parent)
+  tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.rlx-export-{os.getpid()}-"
+                             f"{secrets.token_hex(4)}")
+  try:
+    os.makedirs(parent, exist_ok=True)
+    os.mkdir(tmp)  # with the umask's permissions, as a directory made by hand
+    yield tmp
+    _publish(tmp, out_dir)
+  except BaseException as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if created:
+      shutil.rmtree(created, ignore_errors=True)
+    if isinstance(e, OSError):
+      raise OSError(f"Could not write {out_dir} ({e.strerror or e}); nothing was written "
+                    "there: free space (or fix permissions) and run the same command again.") \
+          from None
+    raise
+
+
+_WEIGHTS = ("config.json", "model.safetensors.index.json", "adapter_config.json")
+
+
+def _publish(tmp: str, out_dir: str) -> None:
+  """Makes tmp's files out_dir's: a rename when out_dir is new or empty; for --force into a
+  non-empty out_dir, its files of the kinds written (weights, tokenizer) are replaced and the
+  rest kept."""
+  if not os.path.lexists(out_dir) or (not os.path.islink(out_dir) and not os.listdir(out_dir)):
+    os.replace(tmp, out_dir)
+    return
+  written = set(os.listdir(tmp))
+  stale = set(hf._SIDE_FILES)  # pylint: disable=protected-access
+  if "model.safetensors" in written or "model.safetensors.index.json" in written:
+    stale |= {n for n in os.listdir(out_dir) if n.endswith(".safetensors")}
+    stale.add("model.safetensors.index.json")
+  if "adapter_config.json" in written:
+    stale |= {n for n in os.listdir(out_dir)
+              if n.startswith("adapter_model") and n.endswith(".safetensors")}
+  for name in (stale | written) & set(os.listdir(out_dir)):
+    if os.path.isfile(os.path.join(out_dir, name)):
+      os.remove(os.path.join(out_dir, name))
+  for name in written:
+    os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+  os.rmdir(tmp)
 
 
 _SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -222,17 +349,9 @@ def _copy_tokenizer(path: str, out_dir: str) -> None:
     shutil.copyfile(path, os.path.join(out_dir, name))
 
 
-def _add_token_ids(out_dir: str, config: dict[str, Any]) -> None:
-  """bos / eos / pad ids of the run's tokenizer that config.json lacks (generate() reads them).
-
-  The tokenizer is loaded as the trainer loads it: the built-in warm start's sentencepiece
-  model on its own, a Hugging Face model's with its directory's metadata.
-  """
-  if (config.get("model") or {}).get("path"):
-    tok = load_tokenizer(out_dir)
-  elif os.path.exists(os.path.join(out_dir, "tokenizer.model")):
-    tok = Tokenizer.load(os.path.join(out_dir, "tokenizer.model"))
-  else:
+def _add_token_ids(out_dir: str, tok) -> None:
+  """bos / eos / pad ids of the run's tokenizer that config.json lacks (generate() reads them)."""
+  if tok is None:
     return
   path = os.path.join(out_dir, "config.json")
   with open(path, encoding="utf-8") as f:
@@ -275,13 +394,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on optional files
   try:
-    out = export(args.workdir, args.out_dir, step=args.step, force=args.force, dtype=args.dtype,
+    step = pick_step(args.workdir, args.step)
+    out = export(args.workdir, args.out_dir, step=step, force=args.force, dtype=args.dtype,
                  peft=args.peft, base_model=args.base_model)
   except (CheckpointError, ValueError, OSError) as e:
     if os.environ.get("RLX_TRACEBACK"):
       raise
     fail(" ".join(str(e).split()))
-  print(f"wrote {out}")
+  print(f"wrote {out} (checkpoint step {step})")
   return 0
 
 
