@@ -798,6 +798,9 @@ def defaults() -> mlc.ConfigDict:
   # Kimi k1.5 group-relative length reward (rlx.rl.length): shorter correct answers in a group
   # gain up to +0.5 x this, longer ones lose up to -0.5 x this; wrong answers never gain.
   c.length.length_reward = 0.0
+  # Where it enters: "advantage" adds it after GRPO's std normalisation (its push bounded by
+  # the weight; rlx.rl.length says why), "reward" to the task reward as Kimi k1.5 writes it.
+  c.length.length_mode = "advantage"
 
   c.sampler = mlc.ConfigDict()
   c.sampler.impl = "paged"  # paged (default) | dense (the reference oracle)

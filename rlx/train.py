@@ -374,9 +374,14 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   if cfg.length.overlong_shaping:
     rewards = rewards + length_lib.overlong_penalty(
         batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
+  length_adv = None
   if cfg.length.length_reward > 0:
-    rewards = rewards + cfg.length.length_reward * length_lib.group_length_reward(
+    term = cfg.length.length_reward * length_lib.group_length_reward(
         batch.lengths, correct, g, valid)
+    if cfg.length.length_mode == "reward":
+      rewards = rewards + term
+    else:  # after normalisation: a push bounded by the weight (rlx.rl.length)
+      length_adv = length_lib.centred_length_advantage(term, g, valid)
   groups = correct.reshape(-1, g)
   if state.selector is not None:
     state = state.replace(selector=selection.update(
@@ -402,9 +407,13 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
     batch = jax.tree.map(lambda v: jnp.take(v, row_order, axis=0), batch)
     rewards = jnp.take(rewards, row_order)
     correct = jnp.take(correct, row_order)
+    if length_adv is not None:
+      length_adv = jnp.take(length_adv, row_order)
   else:
     stats["ledger/tokens_discarded"] = jnp.zeros((), jnp.float32)
   advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage, valid=valid)
+  if length_adv is not None:
+    advantages = advantages + length_adv
   if cfg.length.overlong_filter:
     advantages = jnp.where(batch.truncated, 0.0, advantages)
   batch = batch.replace(rewards=correct, advantages=advantages)

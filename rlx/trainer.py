@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import threading
@@ -684,6 +685,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
   log(f"[rlx] held-out greedy accuracy on the band (levels {band}): "
       f"{100 * base_eval['eval/band_accuracy']:.1f}% -> {100 * final['eval/band_accuracy']:.1f}%"
       f" ({gain:+.1f} points) after {spec.total_steps} RL steps")
+  for line in _level_changes(base_eval, final, band):
+    log(line)
   if gen_times:
     log(f"[rlx] median step: generation {np.median(gen_times):.3f}s, update "
         f"{np.median(upd_times):.3f}s, {np.median(tok_rates):.0f} generated tokens/s")
@@ -723,6 +726,22 @@ def _check_rewards(m: dict[str, float], exp: experiment.Experiment,
         f"task {spec.task.name!r}: reward {m['reward/first_invalid_value']} for train "
         f"example {pid} (prompt {exp.train_host.prompts[pid]!r:.120}) is non-finite or "
         f"outside [{lo}, {hi}] ({int(m['reward/invalid_count'])} such rollouts in this step).")
+
+
+def _level_changes(before: dict[str, float], after: dict[str, float], band) -> list[str]:
+  """The run's closing lines: every level's accuracy change (RL must not break what the base
+  already solved) and the band's mean correct-completion length before and after."""
+  levels = sorted(int(k.rsplit("_d", 1)[1]) for k in after if k.startswith("eval/accuracy_d"))
+  parts = []
+  for l in levels:
+    b, a = (100 * m.get(f"eval/accuracy_d{l}", math.nan) for m in (before, after))
+    parts.append(f"d{l} {b:.1f} -> {a:.1f}% ({a - b:+.1f})")
+  lines = ["[rlx] per level: " + ", ".join(parts)] if parts else []
+  b, a = (m.get("eval/band_correct_len_mean", math.nan) for m in (before, after))
+  if math.isfinite(b) and math.isfinite(a) and b > 0:
+    lines.append(f"[rlx] correct band completions: {b:.1f} -> {a:.1f} tokens "
+                 f"({100 * (a / b - 1):+.1f}%)")
+  return lines
 
 
 def _fmt_eval(m: dict[str, float], band) -> str:

@@ -24,6 +24,20 @@ normalisation that ranking is a full-strength signal whatever the coefficient. O
 column-addition task (experiments/reasoning.py) the verbatim formula collapsed the policy to
 empty answers within 50 steps; with this change it shortened correct answers by ~45% while
 accuracy rose.
+
+Where the term enters (`length_mode`):
+  "advantage" (default)  the term, centred on its group's mean, is added to the group
+      advantage *after* GRPO's std normalisation: A_i = A_task_i + w (R_len(i) - mean_g R_len),
+      so its push is bounded by the weight w (|.| <= w) in every group. Under std
+      normalisation the "reward" placement is full-strength in every all-correct group whatever
+      w is (their rewards differ only by length, and dividing by the group's std rescales that
+      difference to unit size): once a level is solved, the shortening pressure never lets up,
+      and on experiments/reasoning.py it broke levels the base already solved (1-digit sums
+      100% -> 90%, 5-digit 96.9% -> 75%; experiments/results/reasoning_experiment.md). This is
+      the Dr. GRPO observation (Liu et al. 2025, arXiv 2503.20783) applied to the length term
+      alone: the task term keeps its normalisation.
+  "reward"  Kimi k1.5 as written: w R_len is added to the task reward before the group
+      advantage.
 """
 
 from __future__ import annotations
@@ -33,6 +47,9 @@ import dataclasses
 import jax.numpy as jnp
 
 
+LENGTH_MODES = ("advantage", "reward")
+
+
 @dataclasses.dataclass(frozen=True)
 class LengthConfig:
   overlong_shaping: bool = False
@@ -40,8 +57,12 @@ class LengthConfig:
   overlong_penalty: float = 1.0
   overlong_filter: bool = False
   length_reward: float = 0.0  # Kimi k1.5 group length reward coefficient (0: off)
+  length_mode: str = "advantage"  # where the length term enters: "advantage" | "reward"
 
   def __post_init__(self):
+    if self.length_mode not in LENGTH_MODES:
+      raise ValueError(f"length length_mode={self.length_mode!r}; expected one of "
+                       f"{LENGTH_MODES}.")
     if not self.length_reward >= 0:
       raise ValueError(f"length length_reward={self.length_reward}; expected >= 0.")
     if self.overlong_buffer < 1:
@@ -72,3 +93,13 @@ def group_length_reward(lengths_B, correct_B, group_size: int, valid_B=None):
   lam = jnp.where(hi > lo, 0.5 - (lens - lo) / jnp.maximum(hi - lo, 1.0), 0.0)
   out = jnp.where(ok, lam, jnp.minimum(lam, 0.0))
   return jnp.where(ok.any(axis=1, keepdims=True) & v, out, 0.0).reshape(-1)
+
+
+def centred_length_advantage(term_B, group_size: int, valid_B=None):
+  """A length term (`group_length_reward`) minus its group's mean over the rows sampled: what
+  length_mode="advantage" adds (times the weight) to the normalised advantages."""
+  t = term_B.reshape(-1, group_size)
+  v = jnp.ones_like(t, bool) if valid_B is None else valid_B.reshape(-1, group_size)
+  mean = jnp.where(v, t, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(
+      v.sum(axis=1, keepdims=True), 1)
+  return jnp.where(v, t - mean, 0.0).reshape(-1)

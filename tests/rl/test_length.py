@@ -27,6 +27,7 @@ def test_soft_overlong_punishment_by_hand():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(overlong_buffer=0), "overlong_buffer=0"),
     (dict(overlong_penalty=-1.0), "overlong_penalty=-1.0"),
+    (dict(length_mode="before"), "length_mode='before'"),
 ])
 def test_bad_length_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -91,10 +92,39 @@ def test_group_length_reward_matches_a_hand_computed_table():
 
 def test_length_reward_enters_the_advantages_through_score():
   plain = _score(LengthConfig())
-  shaped = _score(LengthConfig(length_reward=0.4))
+  shaped = _score(LengthConfig(length_reward=0.4, length_mode="reward"))
   # lengths 2, 7, 8, 3 (one group of 4); correct 1, 1, 1, 0 -> lambda .5, -.1/.6*... by hand:
   lam = 0.5 - (np.array([2, 7, 8, 3]) - 2) / 6
   bonus = np.where([1, 1, 1, 0], lam, np.minimum(lam, 0))
   r = np.array([1.0, 1.0, 1.0, 0.0]) + 0.4 * bonus
   np.testing.assert_allclose(shaped.advantages, _grpo(r), rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(shaped.rewards, plain.rewards)  # the task reward is kept
+
+
+def test_length_term_after_normalisation_is_bounded_by_its_weight():
+  # The default: the task advantage keeps GRPO's normalisation and the length term, centred on
+  # its group, is added after it (lengths 2, 7, 8, 3; correct 1, 1, 1, 0; weight 0.4).
+  shaped = _score(LengthConfig(length_reward=0.4))
+  lam = 0.5 - (np.array([2, 7, 8, 3]) - 2) / 6
+  term = 0.4 * np.where([1, 1, 1, 0], lam, np.minimum(lam, 0))
+  np.testing.assert_allclose(shaped.advantages, _grpo([1, 1, 1, 0]) + term - term.mean(),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_all_correct_group_push_is_full_strength_as_a_reward_and_bounded_as_an_advantage():
+  from rlx.rl import advantages, length
+  lengths = jnp.array([10, 20, 30, 50])
+  correct = jnp.ones((4,))
+  for w in (0.05, 0.5):
+    term = w * length.group_length_reward(lengths, correct, 4)
+    as_reward, _ = advantages.group_advantages(correct + term, 4, "grpo")
+    as_adv = length.centred_length_advantage(term, 4)
+    # As a reward, std normalisation gives the same unit-size push at any weight ...
+    np.testing.assert_allclose(as_reward, _grpo(np.array([0.5, 0.25, 0, -0.5])), rtol=1e-4)
+    # ... after normalisation it is w * (lambda - mean lambda): |push| <= w.
+    np.testing.assert_allclose(as_adv, w * (np.array([0.5, 0.25, 0, -0.5]) - 0.0625),
+                               rtol=1e-5)
+  # Rows not sampled (adaptive budgets) get no term and do not count in the mean.
+  got = length.centred_length_advantage(jnp.array([1.0, 0.0, 3.0, 9.0]), 4,
+                                        jnp.array([True, True, True, False]))
+  np.testing.assert_allclose(got, [1 - 4 / 3, -4 / 3, 3 - 4 / 3, 0.0], rtol=1e-6)
