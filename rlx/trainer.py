@@ -358,6 +358,19 @@ class _Saver:
         f"could not save the checkpoint of step {step} to {self.ckpt.directory} "
         f"({why[:300]}); {keep}. Free space or fix permissions, then rerun to resume.")
 
+  def ensure(self, step: int, state, meta) -> bool:
+    """Step `step` on disk: waits for a save in flight, saves it unless a checkpoint of it
+    exists (the step a run resumed from, or one just saved with checkpoint_every=1); returns
+    whether it existed."""
+    try:
+      self.ckpt.wait()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._fail(step, e) from None
+    if self.ckpt.latest_step() == step:
+      return True
+    self.save(step, state, meta, force=True, wait=True)
+    return False
+
   def save(self, step: int, state, meta, *, force: bool = False, wait: bool = False) -> None:
     try:
       self.ckpt.save(step, state, meta, force=force)
@@ -697,11 +710,14 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
 
 
 def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):
-  """Saves step `done` (waiting until it is complete on disk), then raises Preempted."""
-  saver.save(done, state, meta, force=True, wait=True)
+  """Saves step `done` unless it is already saved (waiting until it is complete on disk),
+  then raises Preempted."""
+  existed = saver.ensure(done, state, meta)
   raise Preempted(
       f"stopped by {signal.Signals(stop.signum).name} after step {done}; checkpoint "
-      f"saved to {saver.ckpt.directory}/{done}. Rerun the same command to resume.")
+      f"saved to {saver.ckpt.directory}/{done}"
+      f"{' (already saved before the signal)' if existed else ''}. Rerun the same command "
+      f"to resume.")
 
 
 def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
