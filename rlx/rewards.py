@@ -19,6 +19,11 @@ The contract of a reward function:
 The trainer calls a reward through `compute_rewards` (or a `wrap_reward` closure), which checks
 the result with `check_rewards` and turns an exception raised inside the reward into one
 ValueError that names the reward function and the first failing example.
+
+The trainer runs that call in a worker process forked from the run (rlx.reward_worker), one per
+run, so config.task.reward_timeout_s and SIGTERM end even a reward stuck in C code. A reward
+sees its module's state as it was at the fork and keeps its own between calls; what it changes
+there does not reach the trainer's process, and it must not use JAX (score on the host).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 
 from rlx import checkpoint as ckpt_lib
 from rlx import configs, distributed, evaluate, experiment, memory, metrics as metrics_lib
-from rlx import pipeline, tensorboard, train
+from rlx import pipeline, reward_worker, tensorboard, train
 from rlx import sharding as shd
 from rlx.data import registry
 from rlx.model import lora as lora_lib
@@ -243,8 +243,7 @@ class NumericError(RuntimeError):
   """Training produced non-finite values K steps in a row, or invalid rewards."""
 
 
-class RewardError(ValueError):
-  """A host reward hung past its timeout or ended the process from inside."""
+RewardError = reward_worker.RewardError  # a host reward hung, exited or killed its process
 
 
 def _fault(point: str, step: int) -> None:
@@ -297,46 +296,6 @@ class _SignalFlag:
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
-
-
-def _call_host_reward(fn: Callable[[], Any], *, name: str, timeout_s: float,
-                      stop: _SignalFlag | None) -> Any:
-  """Runs a host reward in a worker thread, so a reward that hangs neither blocks SIGTERM
-  (the loop still checkpoints and exits 75) nor the run forever (`timeout_s`).
-
-  Returns None when a signal arrived while it ran (the caller stops; `stop=None`: signals are
-  left to the handler); any BaseException the reward raises (sys.exit included) becomes one
-  RewardError line.
-  """
-  box: dict[str, Any] = {}
-
-  def target():
-    try:
-      box["value"] = fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      box["error"] = e
-
-  worker = threading.Thread(target=target, name="rlx-host-reward", daemon=True)
-  worker.start()
-  deadline = time.monotonic() + timeout_s
-  while worker.is_alive():
-    worker.join(0.05)
-    if stop is not None and stop.signum is not None:
-      return None
-    if time.monotonic() > deadline and worker.is_alive():
-      raise RewardError(
-          f"reward function {name} did not return within {timeout_s:g} s "
-          f"(config.task.reward_timeout_s); the last checkpoint is kept. Fix the reward or "
-          f"raise the timeout, then rerun the same command to resume.")
-  if "error" in box:
-    e = box["error"]
-    if isinstance(e, Exception):
-      raise e
-    what = (f"called sys.exit({e.code!r})" if isinstance(e, SystemExit)
-            else f"raised {type(e).__name__}")
-    raise RewardError(f"reward function {name} {what}; a reward must return one float per "
-                      f"completion. The last checkpoint is kept.") from None
-  return box["value"]
 
 
 class _Saver:
@@ -547,12 +506,17 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
   greedy = spec.sampler.sampling(eos_id=tok.eos_id, pad_id=tok.pad_id,
                                  stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
                                  greedy=True)
-  reward_name = repr(spec.task.reward)
-  eval_reward = None
+  # Host rewards run in a worker process (forked on first use) that a timeout or a signal
+  # can always end, even while the reward holds the GIL in C code.
+  worker = eval_reward = None
   if host_reward is not None:
-    def eval_reward(*args, **kwargs):  # evaluation finishes even when a signal is pending
-      return _call_host_reward(lambda: host_reward(*args, **kwargs), name=reward_name,
-                               timeout_s=spec.task.reward_timeout_s, stop=None)
+    worker = reward_worker.RewardWorker(host_reward, name=repr(spec.task.reward))
+
+    def eval_reward(*args, **kwargs):  # a signal while it runs abandons the evaluation
+      values = worker.call(args, kwargs, timeout_s=spec.task.reward_timeout_s, stop=stop)
+      if values is None:
+        raise _Stop(stop.signum)
+      return values
   evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
                                  spec.sampler.eval_batch_size,
                                  setup.gen_mesh if overlap is not None else mesh,
@@ -605,12 +569,12 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
         rng_before = state.rng  # `generate` changes only the RNG: the step can be undone
         rng_host = np.asarray(jax.device_get(rng_before))
         state, batch, _ = fns.generate(state, pool)
-        rewards = _call_host_reward(
-            lambda: _host_rewards(batch.batch, exp, host_reward, mesh), name=reward_name,
-            timeout_s=spec.task.reward_timeout_s, stop=stop)
-        if rewards is None:  # SIGTERM while the reward ran: save the last finished step
+        args, kwargs = _reward_args(batch.batch, exp)
+        values = worker.call(args, kwargs, timeout_s=spec.task.reward_timeout_s, stop=stop)
+        if values is None:  # SIGTERM while the reward ran: save the last finished step
           state = state.replace(rng=shd.put(rng_host, fns.state_sharding.rng))
           _preempt(saver, done, state, meta, stop)
+        rewards = shd.put(np.asarray(values, np.float32), shd.batch_sharding(mesh, 1))
         _fault("kill_after_rollout", step + 1)
         t1 = time.perf_counter()
         state, m = fns.score_update(state, batch, rewards, **train.update_shape(
@@ -654,9 +618,12 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
       skipped_in_a_row = (skipped_in_a_row + 1
                           if m["guard/skipped_updates"] >= updates_per_step else 0)
       if done % spec.eval_every == 0 or done == spec.total_steps:
-        last_eval = evaluator(eval_params(state))
-        last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
-        m.update(last_eval)
+        try:
+          last_eval = evaluator(eval_params(state))
+          last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
+          m.update(last_eval)
+        except _Stop:  # a signal while the host reward scored it: save the step without it
+          pass
       writer.write(done, m)
       if tb:
         tb.scalars(done, m)
@@ -680,8 +647,8 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     stop.deferred = False
     # Close quietly: the error being raised is the one to report (a full disk also fails the
     # metric writers, whose errors would otherwise replace it).
-    for closer in (getattr(bar, "close", None), writer.close, getattr(tb, "close", None),
-                   ckpt.close):
+    for closer in (getattr(worker, "close", None), getattr(bar, "close", None), writer.close,
+                   getattr(tb, "close", None), ckpt.close):
       if closer is not None:
         with contextlib.suppress(Exception):
           closer()
@@ -690,7 +657,11 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
     if closer is not None:
       closer()
 
-  final = last_eval if last_eval else evaluator(eval_params(state))
+  try:
+    final = last_eval if last_eval else evaluator(eval_params(state))
+  finally:
+    if worker is not None:
+      worker.close()
   if "eval/band_accuracy" not in final:
     final["eval/band_accuracy"] = band_accuracy(final, band)
   log("[rlx] after RL:  " + _fmt_eval(final, band))
@@ -720,17 +691,25 @@ def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):
       f"to resume.")
 
 
-def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
-  """Decodes the rollouts on the host and scores them with the Python reward (time spent
-  here counts as generation)."""
+def _reward_args(batch, exp: experiment.Experiment) -> tuple[tuple, dict]:
+  """The Python reward's arguments for a rollout batch: (prompts, completions decoded on the
+  host), {answer, difficulty}."""
   tokens = distributed.to_host(batch.completions)
   lengths = distributed.to_host(batch.lengths)
   ids = distributed.to_host(batch.prompt_ids)
   texts = [exp.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
   h = exp.train_host
-  values = host_reward([h.prompts[i] for i in ids], texts, answer=[h.answers[i] for i in ids],
-                       difficulty=[int(h.difficulty[i]) for i in ids])
-  return shd.put(np.asarray(values, np.float32), shd.batch_sharding(mesh, 1))
+  return (([h.prompts[i] for i in ids], texts),
+          {"answer": [h.answers[i] for i in ids],
+           "difficulty": [int(h.difficulty[i]) for i in ids]})
+
+
+def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
+  """Decodes the rollouts on the host and scores them with the Python reward in this process
+  (the benchmarks' path; the trainer calls it through its RewardWorker)."""
+  args, kwargs = _reward_args(batch, exp)
+  return shd.put(np.asarray(host_reward(*args, **kwargs), np.float32),
+                 shd.batch_sharding(mesh, 1))
 
 
 def _check_rewards(m: dict[str, float], exp: experiment.Experiment,

@@ -1,11 +1,17 @@
 """The host-Python reward API: registry, math/exact rewards, output checks, error messages."""
 
 import math
+import os
+import re
+import signal
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from rlx import rewards
+from rlx import reward_worker, rewards
 
 PROMPTS = ["What is 1/2 + 1/4?", "How many clips?", "Janet's ducks?"]
 COMPLETIONS = ["It is $\\boxed{\\frac{3}{4}}$.", "48 + 24 = 72\n#### 72", "She makes $17."]
@@ -99,3 +105,102 @@ def test_registered_name_appears_in_errors_of_bad_outputs():
 def test_misaligned_example_fields(fields, message):
   with pytest.raises(ValueError, match=message):
     rewards.compute_rewards(rewards.math_reward, ["a", "b"], ["1", "2"], task_name="t", **fields)
+
+
+# The worker process the trainer runs host rewards in (rlx.reward_worker).
+
+class _Stop:
+  signum = None
+
+
+def _scored(prompts, completions, **unused):
+  if completions[0] == "regex":  # catastrophic backtracking: C code that holds the GIL for hours
+    re.match(r"(a+)+$", "a" * 40 + "b")
+  if completions[0] == "exit":
+    os._exit(0)  # pylint: disable=protected-access
+  if completions[0] == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+  if completions[0] == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+  if completions[0] == "sys.exit":
+    sys.exit(3)
+  if completions[0] == "raise":
+    raise ZeroDivisionError("reward exploded")
+  return [float(len(c)) for c in completions]
+
+
+def test_a_reward_holding_the_gil_is_killed_at_its_timeout_and_the_worker_restarts():
+  worker = reward_worker.RewardWorker(_scored, name="'scored'")
+  try:
+    assert worker.call((["p"], ["ab"]), {}, timeout_s=30) == [2.0]
+    first = worker.pid
+    t0 = time.monotonic()
+    with pytest.raises(reward_worker.RewardError, match=r"reward function 'scored' did not "
+                       r"return within 0.5 s \(config.task.reward_timeout_s\)"):
+      worker.call((["p"], ["regex"]), {}, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    assert worker.call((["p"], ["abc"]), {}, timeout_s=30) == [3.0]  # a fresh worker
+    assert worker.pid != first and worker.starts == 2
+  finally:
+    worker.close()
+
+
+def test_a_stop_signal_ends_a_reward_holding_the_gil():
+  worker, stop = reward_worker.RewardWorker(_scored, name="'scored'"), _Stop()
+  threading.Timer(0.3, lambda: setattr(stop, "signum", signal.SIGTERM)).start()
+  t0 = time.monotonic()
+  try:
+    assert worker.call((["p"], ["regex"]), {}, timeout_s=600, stop=stop) is None
+  finally:
+    worker.close()
+  assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("completion, message", [
+    ("exit", r"reward function 'scored' ended its worker process \(exit status 0, e.g. "
+             r"os._exit or a crash\) instead of returning; a reward must return one float"),
+    ("sigkill", r"ended its worker process \(killed by SIGKILL"),
+    ("sys.exit", r"reward function 'scored' called sys.exit\(3\); a reward must return"),
+])
+def test_a_reward_ending_its_process_is_one_error(completion, message):
+  worker = reward_worker.RewardWorker(_scored, name="'scored'")
+  try:
+    with pytest.raises(reward_worker.RewardError, match=message) as info:
+      worker.call((["p"], [completion]), {}, timeout_s=30, stop=_Stop())
+    assert "\n" not in str(info.value)
+  finally:
+    worker.close()
+
+
+def test_a_reward_sigterming_its_own_process_is_a_stop_request():
+  worker, stop = reward_worker.RewardWorker(_scored, name="'scored'"), _Stop()
+  try:
+    assert worker.call((["p"], ["sigterm"]), {}, timeout_s=30, stop=stop) is None
+  finally:
+    worker.close()
+  assert stop.signum == signal.SIGTERM
+
+
+def test_a_reward_exception_comes_back_as_itself():
+  worker = reward_worker.RewardWorker(_scored, name="'scored'")
+  try:
+    with pytest.raises(ZeroDivisionError, match="reward exploded"):
+      worker.call((["p"], ["raise"]), {}, timeout_s=30)
+    assert worker.call((["p", "q"], ["a", "bcd"]), {"answer": ["1", "2"]}, timeout_s=30) == [
+        1.0, 3.0]  # the same worker goes on
+    assert worker.starts == 1
+  finally:
+    worker.close()
+
+
+def test_the_worker_does_not_keep_the_workdir_locked(tmp_path):
+  from rlx.workdir import WorkdirLock  # pylint: disable=g-import-not-at-top
+  worker = reward_worker.RewardWorker(_scored, name="'scored'")
+  try:
+    with WorkdirLock(str(tmp_path)):
+      assert worker.call((["p"], ["a"]), {}, timeout_s=30) == [1.0]  # forked while held
+    with WorkdirLock(str(tmp_path)):  # the worker, still alive, holds no copy of the flock
+      assert worker.pid is not None
+  finally:
+    worker.close()

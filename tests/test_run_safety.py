@@ -267,7 +267,7 @@ def test_sigterm_during_a_hung_reward_checkpoints_and_exits_75(tmp_path):
 
 
 _SCRIPTED_REWARD = """
-    import os, signal, time
+    import os, re, signal, time
     def scripted(prompts, completions, *, answer, **unused):
       # Call n (counted in a file, so across runs and processes) does $REWARD_CALL_<n>.
       log = os.environ["REWARD_LOG"]
@@ -279,9 +279,9 @@ _SCRIPTED_REWARD = """
       if action == "sigterm_self":
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
-      if action == "hang":
+      if action == "hang":  # in C code holding the GIL, for hours
         open(log + ".hanging", "w").close()
-        time.sleep(60)
+        re.match(r"(a+)+$", "a" * 40 + "b")
       return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 """
 
@@ -319,6 +319,7 @@ def test_sigterm_during_a_reward_after_a_saved_step_exits_75(tmp_path, monkeypat
     sender.start()
     with pytest.raises(trainer.Preempted, match=already):
       trainer.run(cfg, wd, **QUIET)
+    assert time.time() - os.path.getmtime(f"{log}.hanging") < 30
     assert checkpoint.Checkpointer(wd).latest_step() == 2
   finally:
     finished.set()
