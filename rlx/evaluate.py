@@ -4,7 +4,6 @@ per difficulty level."""
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +59,7 @@ class Evaluator:
     self.sampler_impl = sampler_impl
     self.paged = paged
     self.show_progress = show_progress
+    self._evaluated = False  # the first evaluation compiles
     self.check_stop = check_stop
     self.host_reward = host_reward
     self.host = host
@@ -111,11 +111,14 @@ class Evaluator:
 
   def scores_and_lengths(self, params) -> tuple[np.ndarray, np.ndarray]:
     """(reward, completion length in tokens incl. the stop token) per eval example."""
-    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    from rlx.progress import Progress  # pylint: disable=g-import-not-at-top
     out = []
     batches = self._device_batches()
-    with tqdm(total=len(batches), desc="eval", unit="batch", leave=False, dynamic_ncols=True,
-              file=sys.stderr, disable=not self.show_progress) as bar:
+    # The first evaluation compiles the decoder: it says so (nested under the RL bar, or as a
+    # plain line in a log); later ones show only on a terminal or when they run long.
+    first, self._evaluated = not self._evaluated, True
+    with Progress(len(batches), desc="eval", unit="batch", leave=False, announce=first,
+                  disable=not self.show_progress) as bar:
       for args in batches:
         if self.check_stop is not None:
           self.check_stop()

@@ -173,6 +173,8 @@ def prompt_formatter(spec: configs.RunSpec, tokenizer):
 def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
              show_progress: bool, check_stop=None) -> tuple[str | None, str]:
   """Prepares the data and picks (or trains) the base model; returns (base dir, source)."""
+  # The first line of a run: building a task's data can take seconds before anything else.
+  log(f"[rlx] task {spec.task.name}: preparing its data in {data_dir_of(spec, workdir)} ...")
   train_ex, eval_ex = load_task(spec.task, data_dir_of(spec, workdir))
   if not train_ex or not eval_ex:
     raise configs.ConfigError(

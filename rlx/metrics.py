@@ -168,9 +168,10 @@ def show_warnings_as(prog: str) -> None:
 
 
 def progress(total: int, initial: int = 0, disable: bool = False):
-  from tqdm.auto import tqdm
-  return tqdm(total=total, initial=initial, disable=disable, dynamic_ncols=True,
-              file=sys.stderr, desc="rl", unit="step")
+  """The RL steps' progress (rlx.progress: says when the first step compiles, estimates from
+  steady steps, plain lines where stderr is not a terminal)."""
+  from rlx.progress import Progress  # pylint: disable=g-import-not-at-top
+  return Progress(total, desc="rl", unit="step", initial=initial, disable=disable)
 
 
 def postfix(m: Mapping[str, Any]) -> dict[str, str]:

@@ -103,7 +103,7 @@ def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
 
   check_stop: called before each step (it raises to abandon the warm start, e.g. on SIGTERM).
   """
-  from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  from rlx.progress import Progress  # pylint: disable=g-import-not-at-top
   c = sft
   weights = {k: v for k, v in c.level_weights}
   data = tokenize_sft(train_examples, tokenizer, c.max_len, answer_key="teacher_answer")
@@ -114,15 +114,26 @@ def train(sft: SFTSpec, seed: int, model_cfg, tokenizer, train_examples, *,
   opt_state = tx.init(params)
   step = make_sft_step(graphdef, tx)
   draw = level_sampler(data, weights, seed, by_level=c.batch_by_level)
-  bar = tqdm(range(c.steps), desc="warm start", unit="step", dynamic_ncols=True,
-             disable=not show_progress)
-  for i in bar:
+  bar = Progress(c.steps, desc="warm start", unit="step", disable=not show_progress)
+  # Shown, a step counts when its loss is ready, one step behind the dispatch (which runs
+  # ahead): counting dispatched steps made the rate jump at each sync (the loss every 100).
+  pending = None
+  for i in range(c.steps):
     if check_stop is not None:
       check_stop()
     idx = draw(c.batch_size)
     width = batch_width(data.lengths[idx], c.max_len)
     params, opt_state, loss = step(params, opt_state, data.tokens[idx, :width],
                                    data.loss_mask[idx, :width], data.lengths[idx])
+    if show_progress:
+      if pending is not None:
+        jax.block_until_ready(pending)
+        bar.update(1)
+      pending = loss
     if (i + 1) % 100 == 0 or i + 1 == c.steps:
       bar.set_postfix(loss=f"{float(loss):.4f}")
+  if pending is not None:
+    jax.block_until_ready(pending)
+    bar.update(1)
+  bar.close()
   return jax.device_get(params)

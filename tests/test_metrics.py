@@ -137,8 +137,11 @@ def test_evaluator_shows_progress_over_its_batches(show, capsys):
                       for d in ("", "_d0", "_d1")}
   assert out["eval/len_mean"] == 2.0  # greedy to max_new_tokens=2 (the untrained model)
   err = capsys.readouterr().err
-  if show:
-    assert "eval:" in err and "/3 [" in err, err  # 6 prompts in batches of 2
+  if show:  # 6 prompts in batches of 2; captured, not a terminal: plain lines (rlx.progress)
+    assert err.startswith("[rlx] eval: 0/3 batches; compiling the first batch ...\n"), err
+    assert "[rlx] eval: 3/3 batches (100%)" in err and "\r" not in err, err
+    ev(params)  # compiled now, and quick: nothing more
+    assert capsys.readouterr().err == ""
   else:
     assert "eval" not in err, err
 
