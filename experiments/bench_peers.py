@@ -21,12 +21,13 @@ any sampled pad id (a handful per step here), so its token count can fall a litt
 
 The workload is TRL's / Tunix's GRPO smoke run: 4 prompts x G=8 samples, 128 new tokens at
 temperature 1, one optimizer step per training step (one minibatch, num_iterations=1), no KL
-(beta=0), f32, constant learning rate, on CPU. Both trainers start from the same random-init
-Llama directory written here (rlx.save_hf; transformers loads it unchanged), tokenize the same
-4 prompts with the same tokenizer.json (both must give the same ids: checked) and score with
-the same Python reward (`even_reward`). Hyper-parameters match: lr, Adam b1/b2, grad clip 1.0,
-clip eps 0.2 / 0.28, token-mean loss (TRL's "dapo"), group-std advantages; TRL without
-gradient checkpointing (rlx does not remat by default).
+(beta=0), f32, constant learning rate, on CPU (TRL on the GPU when torch sees one:
+--trl_device). Both trainers start from the same random-init Llama directory written here
+(rlx.save_hf; transformers loads it unchanged), tokenize the same 4 prompts with the same
+tokenizer.json (both must give the same ids: checked) and score with the same Python reward
+(`even_reward`). Hyper-parameters match: lr, Adam b1/b2, grad clip 1.0, clip eps 0.2 / 0.28,
+token-mean loss (TRL's "dapo"), group-std advantages; TRL without gradient checkpointing (rlx
+does not remat by default).
 
 Equal work: the tokenizer's EOS id is one past the model's vocabulary, so neither sampler can
 emit it and every completion is exactly 128 tokens on both sides (--eos_in_vocab puts EOS
@@ -260,8 +261,9 @@ def trl_available() -> bool:
   return importlib.util.find_spec("trl") is not None
 
 
-def trl_config(w: Workload, out_dir: str, total_steps: int):
-  """TRL's GRPOConfig for the workload: one generation of prompts x G per optimizer step."""
+def trl_config(w: Workload, out_dir: str, total_steps: int, use_cpu: bool = True):
+  """TRL's GRPOConfig for the workload: one generation of prompts x G per optimizer step
+  (use_cpu=False: on the accelerator that torch sees)."""
   import trl  # pylint: disable=g-import-not-at-top
   return trl.GRPOConfig(
       output_dir=out_dir, max_steps=total_steps, seed=w.seed,
@@ -271,13 +273,24 @@ def trl_config(w: Workload, out_dir: str, total_steps: int):
       loss_type="dapo", scale_rewards="group", temperature=w.temperature, top_p=1.0, top_k=0,
       learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
       adam_beta1=w.b1, adam_beta2=w.b2, max_grad_norm=w.grad_clip,
-      activation_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+      activation_checkpointing=False, bf16=False, fp16=False, use_cpu=use_cpu,
       logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
       dataloader_num_workers=0)
 
 
-def run_trl(w: Workload, model_dir: str, out_dir: str, total_steps: int, before_step):
+def trl_on_cpu(device: str) -> bool:
+  """--trl_device: 'cpu', 'cuda' (an error without a GPU torch sees) or 'auto' (the GPU when
+  torch sees one, else the CPU)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  if device == "cuda" and not torch.cuda.is_available():
+    raise SystemExit("--trl_device=cuda: torch sees no GPU here; use --trl_device=auto or cpu.")
+  return device == "cpu" or not torch.cuda.is_available()
+
+
+def run_trl(w: Workload, model_dir: str, out_dir: str, total_steps: int, before_step,
+            device: str = "auto"):
   """Trains TRL's GRPOTrainer for total_steps; calls before_step() ahead of each (untimed).
+  device: see trl_on_cpu.
 
   Returns rows (step s, generation s, generated tokens, mean reward, load) per step.
   """
@@ -322,7 +335,9 @@ def run_trl(w: Workload, model_dir: str, out_dir: str, total_steps: int, before_
       if logs and "reward" in logs:
         rewards.append(float(logs["reward"]))
 
-  args = trl_config(w, out_dir, total_steps)
+  use_cpu = trl_on_cpu(device)
+  args = trl_config(w, out_dir, total_steps, use_cpu=use_cpu)
+  print(f"  TRL on {'the CPU' if use_cpu else torch.cuda.get_device_name(0)}", flush=True)
   model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
   tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
   data = datasets.Dataset.from_dict({"prompt": list(PROMPTS), "answer": list(ANSWERS)})
@@ -480,7 +495,8 @@ def worker(args) -> None:
   elif args._worker == "tunix":  # pylint: disable=protected-access
     rows = run_tunix(w, MODELS[args.size], model_dir, args._prompt_len, total, _wait_go)  # pylint: disable=protected-access
   else:
-    rows = run_trl(w, model_dir, os.path.join(args.workdir, "trl"), total, _wait_go)
+    rows = run_trl(w, model_dir, os.path.join(args.workdir, "trl"), total, _wait_go,
+                   args.trl_device)
   _send("rows", [list(r) for r in rows])
 
 
@@ -493,8 +509,12 @@ class _Worker:
            f"--size={args.size}", f"--steps={args.steps}", f"--warmup={args.warmup}",
            f"--sampler={args.sampler}", f"--workdir={root}", f"--_prompt_len={prompt_len}"]
     cmd += [f"--rlx={kv}" for kv in getattr(args, "rlx", ())]
+    cmd += [f"--trl_device={getattr(args, 'trl_device', 'auto')}"]
+    # The worker imports rlx from where this process did (the folder above the rlx package),
+    # not from above experiments/, which is rlx/ itself where experiments/ is rlx.experiments
+    # (rlx/data, rlx/kernels, ... would then shadow top-level packages of those names).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [os.path.dirname(os.path.dirname(os.path.abspath(rlx.__file__))),
          os.environ.get("PYTHONPATH", "")]))
     self.name, self.rows = name, None
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -633,6 +653,9 @@ def main(argv=None) -> None:
                       "safetensors<0.8, which holds transformers at 5.12, older than TRL 1.16 "
                       "runs on: give Tunix a venv of its own with rlx installed "
                       "(pip install -e '.[tunix]') and point this at its bin/python.")
+  p.add_argument("--trl_device", default="auto", choices=("auto", "cpu", "cuda"),
+                 help="Where TRL's GRPOTrainer runs: auto (default) = the GPU when torch sees "
+                      "one, else the CPU; cpu; cuda (an error without one).")
   p.add_argument("--same_process", action="store_true",
                  help="Both trainers in this process (the first method; see the docstring).")
   p.add_argument("--schedule", default="turns", choices=("turns", "blocks"),
@@ -689,7 +712,8 @@ def main(argv=None) -> None:
                           tuple(args.rlx))
       rlx_step = RlxStepper(config, os.path.join(root, "rlx"))
       if "trl" in peers:
-        peer_rows["trl"] = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step)
+        peer_rows["trl"] = run_trl(w, model_dir, os.path.join(root, "trl"), total, rlx_step,
+                                   args.trl_device)
       else:
         for _ in range(total):
           rlx_step()
