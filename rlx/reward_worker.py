@@ -199,6 +199,8 @@ class RewardWorker:
   def call(self, args: tuple, kwargs: dict, *, timeout_s: float, stop=None) -> Any:
     if not self.use_process:
       return self._call_in_thread(args, kwargs, timeout_s=timeout_s, stop=stop)
+    if stop is not None and stop.signum is not None:  # already stopping: start nothing
+      return None
     if self._proc is None or not self._proc.is_alive():
       self.kill()
       self._start()
