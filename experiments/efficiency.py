@@ -483,6 +483,8 @@ def main(_):
       lines.append(f"| {name} | {cell} | {fmt_tokens(float(np.median(ttt[cell])))} | "
                    f"{'1.00x' if cell == b0 else ratio} |")
   lines += more_metrics(results, ttt, target, budget)
+  if chains:
+    lines += chains_gates(results, ttt, target, eval_n=3 * 128)
   text = "\n".join(lines)
   print("\n" + text)
   print("\n(ratio = B0 tokens / arm tokens: >1 means the arm needs fewer generated tokens)")
@@ -542,6 +544,67 @@ def more_metrics(results: dict, ttt: dict, target: float, budget: float) -> list
       else:
         row.append("censored" if not math.isfinite(v) else f"{v:.4g}")
     lines.append(f"| {name} ({cell}) | " + " | ".join(row) + " |")
+  return lines
+
+
+def band_moves(per_step: dict, upto: int, window: int = 20) -> tuple[list[int], int]:
+  """The level with the most mixed groups in each `window`-step span before step `upto`
+  (from ledger/mixed_groups_d<level>), and how often it changes."""
+  levels = sorted(k for k in per_step if k.isdigit())
+  leaders = []
+  for w in range(0, upto, window):
+    counts = [sum(per_step[l][w:min(w + window, upto)]) for l in levels]
+    if max(counts, default=0) > 0:
+      leaders.append(int(levels[int(np.argmax(counts))]))
+  changes = sum(a != b for a, b in zip(leaders, leaders[1:]))
+  return leaders, changes
+
+
+def chains_gates(results: dict, ttt: dict, target: float, eval_n: int) -> list[str]:
+  """Issue 36's gates for a task (run on the pilot before any lever is compared), from the
+  best B0 cell: steps and evaluations to target, zero-variance share up to it, the band's
+  moves, the target's place in B0's gain, signal-limitedness (B0 at half the prompts) and the
+  oracle's headroom (X)."""
+  best = best_cells(ttt)
+  b0 = best.get("B0")
+  if b0 is None:
+    return []
+  rs = results[b0]
+  steps = [at_target(r, target, "steps") for r in rs]
+  med_steps = float(np.median(steps))
+  reached = [r for r, st in zip(rs, steps) if math.isfinite(st)]
+  n_evals = [sum(1 for st, _, _ in r["curve"] if 0 < st < s) for r, s in zip(rs, steps)
+             if math.isfinite(s)]
+  zero = [np.mean(r["per_step"]["zero_var"][:int(s)]) for r, s in zip(rs, steps)
+          if math.isfinite(s) and "per_step" in r]
+  moves = [band_moves(r["per_step"], int(s)) for r, s in zip(rs, steps)
+           if math.isfinite(s) and "per_step" in r]
+  base, plateau, _ = gain_thresholds(results, ttt)
+  share = (target - base) / (plateau - base) if plateau > base else math.nan
+  sd = math.sqrt(max(plateau * (1 - plateau), 1e-9) / max(eval_n, 1))
+  lines = ["", f"Gates (B0 = {b0}; {len(rs)} seeds, {len(reached)} reached the target):", "",
+           "| gate | wanted | measured |", "|---|---|---|",
+           f"| steps to target (median) | 100-400 | {med_steps:.0f} |",
+           f"| evaluations before the target | >= 10 | "
+           f"{', '.join(str(n) for n in n_evals) or '-'} |",
+           f"| zero-variance groups up to the target | >= 70% | "
+           f"{', '.join(f'{100 * z:.0f}%' for z in zero) or '-'} |",
+           f"| changes of the most-mixed level before the target | >= 2 | "
+           f"{', '.join(f'{c} ({chr(8594).join(map(str, lv))})' for lv, c in moves) or '-'} |",
+           f"| target in B0's base-to-plateau gain | 40-60% | {100 * share:.0f}% (base "
+           f"{base:.3f}, plateau {plateau:.3f}) |",
+           f"| target below the plateau, in eval standard deviations | >= 4 | "
+           f"{(plateau - target) / sd:.1f} ({eval_n} band problems) |"]
+  half = [c for c in ttt if arm_family(split_arm(c)[0]) == "B0" and c != b0 and
+          split_arm(c)[1] == split_arm(b0)[1]]
+  for c in half:
+    st = float(np.median([at_target(r, target, "steps") for r in results[c]]))
+    lines.append(f"| steps at another batch shape ({c} / {b0}) | >= 1.6x at half the prompts | "
+                 f"{st / med_steps:.2f}x |")
+  if "X" in best:
+    point, (lo, hi) = bootstrap_ratio(ttt[b0], ttt[best["X"]])
+    lines.append(f"| oracle (X) vs tuned B0, tokens to target | >= 3x, 90% CI low >= 2x | "
+                 f"{point:.2f}x ({lo:.2f}-{hi:.2f}), {len(ttt[best['X']])} seeds |")
   return lines
 
 

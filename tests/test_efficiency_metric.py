@@ -103,3 +103,11 @@ def test_area_under_curve_steps_and_compute_at_target():
   line = {"ledger/prompt_tokens": 10.0, "ledger/tokens_generated": 20.0,
           "ledger/tokens_trained": 5.0, "ledger/probe_tokens": 7.0}
   assert efficiency.compute_units(line) == 10 + 20 + 15 + 7
+
+
+def test_band_moves_counts_changes_of_the_most_mixed_level():
+  per_step = {"1": [0] * 60, "2": [3] * 20 + [0] * 40, "3": [1] * 20 + [2] * 20 + [0] * 20,
+              "4": [0] * 40 + [1] * 20, "zero_var": [0.9] * 60}
+  leaders, changes = efficiency.band_moves(per_step, 60, window=20)
+  assert leaders == [2, 3, 4] and changes == 2
+  assert efficiency.band_moves(per_step, 20, window=20) == ([2], 0)
