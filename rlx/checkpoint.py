@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -46,8 +47,38 @@ def _without_later_fields(target) -> dict | None:
   return {k: v for k, v in fields.items() if k not in dropped}
 
 
+# tensorstore's write errors (raised by orbax as ValueError) end with the OS error's number.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_QUOTED_PATH = re.compile(r'"(/[^"]+)"')
+
+
+def _as_os_error(e: Exception) -> Exception:
+  """A tensorstore write error (e.g. a full disk) as the OSError it reports, naming the file:
+  orbax raises it as a ValueError whose message holds the errno; other errors unchanged."""
+  if isinstance(e, OSError):
+    return e
+  text = str(e)
+  code = _OS_ERROR_CODE.search(text)
+  if code is None:
+    return e
+  number = int(code.group(1))
+  path = _QUOTED_PATH.search(text)
+  return OSError(number, os.strerror(number), path.group(1) if path else None)
+
+
+def _raise_as_os_error(e: Exception):
+  err = _as_os_error(e)
+  if err is e:
+    raise e
+  raise err from e
+
+
 class Checkpointer:
-  """Saves and restores TrainState-like pytrees under WORKDIR/checkpoints."""
+  """Saves and restores TrainState-like pytrees under WORKDIR/checkpoints.
+
+  A save that fails on the OS (a full disk) raises OSError naming the file and the error,
+  not orbax's wrapped message.
+  """
 
   def __init__(self, workdir: str, *, keep: int = 2, async_save: bool = True):
     if not isinstance(keep, int) or keep < 0:
@@ -65,9 +96,12 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> bool:
-    return self._manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                      meta=ocp.args.JsonSave(meta)), force=force)
+    try:  # also raises a failure of the previous save, which ran in the background
+      return self._manager.save(
+          step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                        meta=ocp.args.JsonSave(meta)), force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      _raise_as_os_error(e)
 
   def read_meta(self, step: int) -> dict[str, Any]:
     try:
@@ -116,10 +150,13 @@ class Checkpointer:
     return out["state"], meta
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      _raise_as_os_error(e)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
 
 

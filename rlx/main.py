@@ -63,8 +63,9 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan
 PREEMPTED_EXIT = 75
 
 # Raised for bad configs, data, checkpoints or paths; each carries a one-line explanation.
-USER_ERRORS = (configs.ConfigError, checkpoint.CheckpointError, FileNotFoundError,
-               IsADirectoryError, NotADirectoryError, PermissionError, ValueError)
+# OSError: what the machine refused (a full disk while writing metrics: rlx.metrics.WriteError
+# names the file; any other names the error and, where the OS gives one, the path).
+USER_ERRORS = (configs.ConfigError, checkpoint.CheckpointError, OSError, ValueError)
 
 
 def fail(message: str):
@@ -193,9 +194,44 @@ def parse_flags(argv):
     fail(str(e))
 
 
+class _HeldOrbaxErrors(logging.Filter):
+  """Holds back the ERROR records orbax logs from its background save threads.
+
+  A save that fails there (a full disk) is logged by each thread involved, with a traceback
+  each (hundreds of lines), and then raised where rlx waits for the save, which reports it in
+  one line naming the directory and the OS error. The held records are dropped when the run
+  ends with that line and printed otherwise (the run went on, or ended in another way).
+  RLX_TRACEBACK=1 holds nothing.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.held: list[logging.LogRecord] = []
+    self._releasing = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if (self._releasing or record.levelno < logging.ERROR
+        or f"{os.sep}orbax{os.sep}" not in (record.pathname or "")):
+      return True
+    self.held.append(record)
+    return False
+
+  def release(self) -> None:
+    held, self.held = self.held, []
+    self._releasing = True
+    try:
+      for record in held:
+        logging.getLogger(record.name).handle(record)
+    finally:
+      self._releasing = False
+
+
 def main(argv):
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; configs are set with --config.key=value.")
+  orbax_errors = _HeldOrbaxErrors()
+  if not os.environ.get("RLX_TRACEBACK"):
+    logging.getLogger("absl").addFilter(orbax_errors)  # orbax logs through absl.logging
   try:
     if _CPU_DEVICES.value:
       import jax  # pylint: disable=g-import-not-at-top
@@ -208,16 +244,38 @@ def main(argv):
       sys.exit(0 if plan.fits else 3)
     trainer.run(_CONFIG.value, _WORKDIR.value)
   except trainer.Preempted as e:
+    orbax_errors.release()
     print(f"rlx: {e}", file=sys.stderr)
     exit_now(PREEMPTED_EXIT)
   except trainer.NumericError as e:
+    orbax_errors.release()
     fail(str(e))
   except USER_ERRORS as e:
     if os.environ.get("RLX_TRACEBACK"):
       raise
-    fail(f"{e} (set RLX_TRACEBACK=1 for the traceback)")
+    orbax_errors.held.clear()  # e.g. a failed save: the one line below says it
+    print(f"rlx: error: {e} (set RLX_TRACEBACK=1 for the traceback)", file=sys.stderr,
+          flush=True)
+    _quiet_stderr()
+    sys.exit(2)
   except KeyboardInterrupt:
+    orbax_errors.release()
     interrupted()
+  finally:
+    orbax_errors.release()
+
+
+def _quiet_stderr():
+  """Sends what is written to stderr after the error line to /dev/null: after a failed save
+  (a full disk) tensorstore's threads finish their writes while Python shuts down and print
+  a traceback each ("Event loop is closed", dozens of them) after the line that explains."""
+  try:
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+  except OSError:
+    pass
 
 
 def interrupted():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -24,6 +25,22 @@ def _plain(v):
 
 class MetricsWarning(UserWarning):
   """A metrics.jsonl had unreadable lines (skipped, and quarantined when rewritten)."""
+
+
+class WriteError(OSError):
+  """A metrics file (metrics.jsonl, a TensorBoard events file) could not be written: a full
+  disk, a quota, an I/O error. str() is one line naming the file and the OS error; the run's
+  checkpoints are written apart, so the last one is kept and a rerun resumes from it."""
+
+  def __init__(self, path: str, error: OSError):
+    super().__init__(error.errno, error.strerror or str(error), os.fspath(path))
+
+  def __str__(self) -> str:
+    code = f" [Errno {self.errno}]" if self.errno else ""
+    fix = ("free space" if self.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+           else "fix the file or its file system")
+    return (f"could not write {self.filename} ({self.strerror}{code}); the last checkpoint is "
+            f"kept: {fix}, then rerun the same command to resume from it.")
 
 
 class JsonlWriter:
@@ -67,12 +84,19 @@ class JsonlWriter:
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     if self._f is None:
       return
-    self._f.write(json.dumps({"step": int(step), **{k: _plain(v) for k, v in metrics.items()}})
-                  + "\n")
+    line = json.dumps({"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}) + "\n"
+    try:
+      self._f.write(line)  # line-buffered: the line reaches the OS here
+    except OSError as e:  # a full disk: say which file (the OS error names none)
+      raise WriteError(self.path, e) from e
 
   def close(self) -> None:
-    if self._f is not None:
-      self._f.close()
+    f, self._f = self._f, None
+    if f is not None:
+      try:
+        f.close()
+      except OSError as e:
+        raise WriteError(self.path, e) from e
 
 
 def _check_not_dir(path: str) -> None:

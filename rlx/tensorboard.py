@@ -117,36 +117,59 @@ def _scalar(value: Any) -> float | None:
 
 
 class SummaryWriter:
-  """Writes scalar summaries to one new event file in `logdir`."""
+  """Writes scalar summaries to one new event file in `logdir`.
+
+  The file is created with the first scalars written, so a run that stops before writing any
+  (a rejected config, a damaged workdir) leaves no empty events file behind. A write that
+  fails (a full disk) raises rlx.metrics.WriteError: one line naming the file and the OS error.
+  """
 
   _counter = 0
 
   def __init__(self, logdir: str, *, purge_step: int | None = None, flush_every_s: float = 10):
-    os.makedirs(logdir, exist_ok=True)
+    self.logdir = os.fspath(logdir)
+    self.path: str | None = None  # set when the file is created
+    self._purge_step = purge_step
+    self._f = None
+    self._closed = False
+    self._flush_every_s = flush_every_s
+    self._last_flush = time.monotonic()
+
+  def _new_file(self) -> None:
+    os.makedirs(self.logdir, exist_ok=True)
     SummaryWriter._counter += 1
     # TensorBoard (and read_scalars) replay a logdir's files in name order, so a resumed run's
     # file must sort after every earlier one. The classic name (whole seconds, then pid and an
     # unpadded counter) does not: two writers in one second sort by pid, and counter 10 sorts
     # before 9. Microseconds at a fixed width do; a newest file from a clock ahead of ours
     # (another host, a step back of the clock) gets our name appended to its own.
-    existing = sorted(f for f in os.listdir(logdir) if "tfevents" in f)
+    existing = sorted(f for f in os.listdir(self.logdir) if "tfevents" in f)
     name = (f"events.out.tfevents.{time.time_ns() // 1000:016d}.{socket.gethostname()}."
             f"{os.getpid()}.{SummaryWriter._counter:06d}")
     if existing and name <= existing[-1]:
       name = f"{existing[-1]}.{name[len('events.out.tfevents.'):]}"
-    self.path = os.path.join(logdir, name)
+    self.path = os.path.join(self.logdir, name)
     self._f = open(self.path, "wb")
-    self._flush_every_s = flush_every_s
     self._last_flush = time.monotonic()
-    self._write(encode_event(time.time(), 0, file_version="brain.Event:2"))
-    if purge_step is not None:
-      self._write(encode_event(time.time(), purge_step, session_start=True))
-    self.flush()
+    header = frame_record(encode_event(time.time(), 0, file_version="brain.Event:2"))
+    if self._purge_step is not None:
+      header += frame_record(encode_event(time.time(), self._purge_step, session_start=True))
+    self._f.write(header)
+    self._f.flush()
+
+  def _failed(self, e: OSError):
+    from rlx.metrics import WriteError  # pylint: disable=g-import-not-at-top
+    return WriteError(self.path or self.logdir, e)
 
   def _write(self, event: bytes) -> None:
-    if self._f is None:
-      raise ValueError(f"SummaryWriter({os.path.dirname(self.path)!r}) is closed.")
-    self._f.write(frame_record(event))
+    if self._closed:
+      raise ValueError(f"SummaryWriter({self.logdir!r}) is closed.")
+    try:
+      if self._f is None:
+        self._new_file()
+      self._f.write(frame_record(event))
+    except OSError as e:
+      raise self._failed(e) from e
 
   def scalars(self, step: int, values: Mapping[str, Any]) -> None:
     """Writes the numeric entries of `values` at `step` (non-numbers are skipped)."""
@@ -162,13 +185,20 @@ class SummaryWriter:
 
   def flush(self) -> None:
     if self._f is not None:
-      self._f.flush()
+      try:
+        self._f.flush()
+      except OSError as e:
+        raise self._failed(e) from e
       self._last_flush = time.monotonic()
 
   def close(self) -> None:
-    if self._f is not None:
-      self._f.close()
-      self._f = None
+    self._closed = True
+    f, self._f = self._f, None
+    if f is not None:
+      try:
+        f.close()
+      except OSError as e:
+        raise self._failed(e) from e
 
   def __enter__(self) -> "SummaryWriter":
     return self

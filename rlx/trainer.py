@@ -308,7 +308,7 @@ class _Saver:
     err = e
     while err is not None and not isinstance(err, OSError):
       err = err.__cause__ or err.__context__
-    why = (f"{err.strerror or err} ({os.strerror(err.errno) if err.errno else ''})".strip()
+    why = (f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
            if isinstance(err, OSError) else f"{type(e).__name__}: {' '.join(str(e).split())}")
     latest = self.ckpt.latest_step()
     keep = (f"the checkpoint of step {latest} is kept" if latest is not None

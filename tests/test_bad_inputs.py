@@ -6,12 +6,14 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
 import pytest
 
 from rlx import checkpoint, configs, rewards, trainer
+from rlx import metrics as rlx_metrics
 from test_main import ARITH, REPO, runlocal_config
 
 ONE = dict(devices=jax.devices()[:1])
@@ -40,6 +42,11 @@ def _digest(path):
       with open(os.path.join(root, f), "rb") as fh:
         h.update(fh.read())
   return h.hexdigest()
+
+
+def _files(path):
+  return sorted(os.path.relpath(os.path.join(root, f), path)
+                for root, _, files in os.walk(path) for f in files)
 
 
 def _garbage(path):
@@ -186,6 +193,7 @@ def test_bad_input_has_one_clear_message(run_dir, tmp_path, name, overrides, pre
     prepare(wd)
   before = _digest(wd / "checkpoints")
   record = (wd / "config.json").read_bytes()
+  files = _files(wd)
   cfg = runlocal_config(**{"total_steps": 4, "mesh.data": 1, **overrides})
   with pytest.raises(error, match=message) as info:
     trainer.run(cfg, str(wd), log=lambda s: None, show_progress=False, **ONE)
@@ -193,6 +201,8 @@ def test_bad_input_has_one_clear_message(run_dir, tmp_path, name, overrides, pre
   assert _digest(wd / "checkpoints") == before, f"{name} changed the checkpoints"
   if name not in RESUMED:  # a rejected config leaves the run's record alone
     assert (wd / "config.json").read_bytes() == record, f"{name} rewrote the run's config.json"
+  # No file appears or goes: e.g. no new TensorBoard events file for a run that wrote nothing.
+  assert _files(wd) == files, f"{name} changed the workdir's files"
 
 
 def test_batch_not_divisible_by_the_data_axis(tmp_path):
@@ -227,3 +237,111 @@ def test_cli_flag_errors_are_one_line(flag, message, tmp_path):
   assert message in out.stderr
   assert "Traceback" not in out.stderr
   assert not os.listdir(tmp_path)
+
+
+# Runs `python -m rlx.main ARGS` with the disk "full" for metrics.jsonl after FULL_AFTER lines
+# were appended to it: the file's writes then fail with ENOSPC, as they do on a full disk.
+_FULL_DISK_DRIVER = """
+    import builtins, errno, os, runpy, sys
+    real_open, budget = builtins.open, [int(os.environ["FULL_AFTER"])]
+
+    class FullDisk:
+      def __init__(self, f):
+        self._f = f
+      def write(self, text):
+        budget[0] -= 1
+        if budget[0] < 0:
+          raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._f.write(text)
+      def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def open_(file, mode="r", *args, **kwargs):
+      f = real_open(file, mode, *args, **kwargs)
+      full = isinstance(file, str) and os.path.basename(file) == "metrics.jsonl" and "a" in mode
+      return FullDisk(f) if full else f
+
+    builtins.open = open_
+    sys.argv = ["rlx.main", *sys.argv[1:]]
+    runpy.run_module("rlx.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_rerun_resumes(run_dir, tmp_path):
+  # Regression (issue 37, N4): a full disk ended the run with hundreds of lines, tracebacks
+  # and a raw "OSError: [Errno 28]" from the metrics writer, naming no file.
+  wd = tmp_path / "wd"
+  shutil.copytree(run_dir, wd)  # checkpoints 1 and 2; this run resumes from 2
+  driver = tmp_path / "full_disk.py"
+  driver.write_text(textwrap.dedent(_FULL_DISK_DRIVER))
+  flags = [f"--config={ARITH}:runlocal", f"--workdir={wd}", "--config.mesh.data=1",
+           "--config.total_steps=5", "--config.checkpoint_every=1", "--config.eval_every=100"]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+         "FULL_AFTER": "1"}  # step 3's line is written, step 4's finds the disk full
+  out = subprocess.run([sys.executable, str(driver), *flags], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env=env)
+  assert out.returncode == 2, out.stderr[-3000:]
+  errors = [l for l in out.stderr.splitlines() if "rlx: error:" in l or "Error" in l]
+  assert errors == [
+      f"rlx: error: could not write {wd / 'metrics.jsonl'} (No space left on device [Errno 28]);"
+      f" the last checkpoint is kept: free space, then rerun the same command to resume from "
+      f"it. (set RLX_TRACEBACK=1 for the traceback)"], out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+  assert checkpoint.Checkpointer(str(wd)).latest_step() == 3
+  # With space again, a rerun resumes from that checkpoint and finishes (in this process,
+  # whose compiled steps the fixture's run already made: the same code path, seconds faster).
+  logs = []
+  trainer.run(runlocal_config(**{"total_steps": 5, "checkpoint_every": 1, "eval_every": 100,
+                                 "mesh.data": 1}), str(wd), log=logs.append,
+              show_progress=False, **ONE)
+  assert any(l.endswith(f"resumed from {wd / 'checkpoints'}/3") for l in logs), logs
+  assert [l["step"] for l in rlx_metrics.read_metrics(wd)] == [0, 1, 2, 3, 4, 5]
+
+
+_SMALL_DISK_SCRIPT = """
+    set -eu
+    mount -t tmpfs -o size=3m none "$DISK"
+    cp -r "$RUN_DIR" "$DISK/wd"
+    avail=$(df --output=avail -B1 "$DISK" | tail -1)
+    head -c $((avail - 300 * 1024)) /dev/zero > "$DISK/filler"  # room for about one checkpoint
+    set +e
+    "$PYTHON" -m rlx.main "$@" --workdir="$DISK/wd" 2> "$OUT/stderr"
+    echo $? > "$OUT/rc"
+    cp -r "$DISK/wd" "$OUT/wd"
+"""
+
+
+def _can_mount_tmpfs(tmp_path) -> bool:
+  probe = tmp_path / "probe"
+  probe.mkdir()
+  try:
+    return subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "none", str(probe)],
+                          capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
+
+
+def test_a_really_full_disk_is_one_line_and_keeps_the_last_checkpoint(run_dir, tmp_path):
+  # The same on a real (tiny tmpfs) disk, where the checkpoint save fails too: orbax's
+  # background threads logged each failure with a traceback (hundreds of lines) before rlx's
+  # line. Needs a mount namespace (unshare -rm); skipped where there is none.
+  if not _can_mount_tmpfs(tmp_path):
+    pytest.skip("no mount namespace for a tiny tmpfs (unshare -rm mount)")
+  disk, out = tmp_path / "disk", tmp_path / "out"
+  disk.mkdir()
+  out.mkdir()
+  script = tmp_path / "small_disk.sh"
+  script.write_text(textwrap.dedent(_SMALL_DISK_SCRIPT))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+         "DISK": str(disk), "OUT": str(out), "RUN_DIR": str(run_dir), "PYTHON": sys.executable}
+  subprocess.run(["unshare", "-rm", "bash", str(script), f"--config={ARITH}:runlocal",
+                  "--config.mesh.data=1", "--config.total_steps=40",
+                  "--config.checkpoint_every=1", "--config.eval_every=1000"],
+                 check=True, timeout=600, cwd=tmp_path, env=env)
+  err = (out / "stderr").read_text()
+  assert (out / "rc").read_text().strip() == "2", err[-3000:]
+  lines = [l for l in err.splitlines() if "rlx: error:" in l or "Error" in l or "Trace" in l]
+  assert len(lines) == 1 and "No space left on device" in lines[0], err[-3000:]
+  assert lines[0].startswith(("rlx: error: could not save the checkpoint of step",
+                              "rlx: error: could not write")), lines[0]
+  assert checkpoint.Checkpointer(str(out / "wd")).latest_step() >= 2  # the last one is kept

@@ -2,8 +2,10 @@
 read_metrics for a workdir or its file; the evaluation progress bar."""
 
 import contextlib
+import errno
 import functools
 import json
+import os
 import types
 import warnings
 
@@ -85,6 +87,31 @@ def test_a_directory_in_place_of_metrics_jsonl_is_one_clear_error(tmp_path):
   for arg in (tmp_path, tmp_path / "metrics.jsonl"):
     with pytest.raises(IsADirectoryError, match=message):
       read_metrics(arg)
+
+
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path):
+  # Regression (issue 37, N4): the raw "OSError: [Errno 28] No space left on device" of the
+  # line-buffered write named no file.
+  path = tmp_path / "metrics.jsonl"
+  w = JsonlWriter(str(path))
+  w.write(0, {"x": 1.0})
+
+  class FullDisk:
+    def write(self, text):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    close = lambda self: self.write("")
+
+  w._f.close()
+  w._f = FullDisk()
+  want = (f"could not write {path} (No space left on device [Errno 28]); the last checkpoint "
+          f"is kept: free space, then rerun the same command to resume from it.")
+  with pytest.raises(metrics.WriteError) as info:
+    w.write(1, {"x": 2.0})
+  assert str(info.value) == want and info.value.errno == errno.ENOSPC
+  with pytest.raises(metrics.WriteError, match=r"could not write .*metrics.jsonl \(No space"):
+    w.close()
+  w.close()  # once closed, closed
+  assert read_metrics(path) == [{"step": 0, "x": 1.0}]
 
 
 def test_read_metrics_takes_the_workdir_or_the_file(tmp_path):

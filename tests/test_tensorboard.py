@@ -1,6 +1,7 @@
 """The TensorFlow-free event writer: its files read back (by us and, if installed, by
 TensorBoard's own EventAccumulator) with the steps and values written."""
 
+import errno
 import os
 
 import numpy as np
@@ -93,3 +94,44 @@ def test_tensorboard_honours_the_purge_on_resume(tmp_path):
   acc.Reload()
   assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0),
                                                            (4, 40.0)]
+
+
+class _FullDisk:
+  """A file whose writes fail as on a full disk."""
+
+  def write(self, data):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  flush = close = lambda self: self.write(b"")
+
+
+def test_nothing_is_written_until_the_first_scalars(tmp_path):
+  # A run that stops before its first metrics (a rejected config, a damaged workdir) left an
+  # events file holding only the header.
+  logdir = tmp_path / "tb"
+  with tb.SummaryWriter(str(logdir), purge_step=3) as w:
+    w.flush()
+  assert w.path is None and not logdir.exists()
+  w = tb.SummaryWriter(str(logdir), purge_step=3)
+  w.scalars(4, {"x": 1.0})
+  w.close()
+  assert os.listdir(logdir) == [os.path.basename(w.path)]
+  assert [tb.decode_event(r).get("session_start") for r in tb.read_records(w.path)] == [
+      None, True, None]  # the header, the purge at step 3, then the scalars
+  with pytest.raises(ValueError, match="is closed"):
+    w.scalars(5, {"x": 2.0})
+
+
+@pytest.mark.parametrize("when", ["scalars", "flush", "close"])
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path, when):
+  from rlx.metrics import WriteError
+  w = tb.SummaryWriter(str(tmp_path), flush_every_s=3600)
+  w.scalars(1, {"x": 1.0})
+  w._f.close()
+  w._f = _FullDisk()
+  with pytest.raises(WriteError) as info:
+    {"scalars": lambda: w.scalars(2, {"x": 2.0}), "flush": w.flush, "close": w.close}[when]()
+  assert str(info.value) == (
+      f"could not write {w.path} (No space left on device [Errno 28]); the last checkpoint is "
+      f"kept: free space, then rerun the same command to resume from it.")
+  assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
