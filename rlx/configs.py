@@ -427,7 +427,9 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
   pipeline = pipeline_spec(config)
 
   return RunSpec(
-      seed=int(config.seed), total_steps=config.total_steps, eval_every=config.eval_every,
+      # jax.random.key keeps 32 bits of the seed: 2**32 would run as seed 0.
+      seed=_int(config, "seed", 0, 2 ** 32 - 1), total_steps=config.total_steps,
+      eval_every=config.eval_every,
       fused_step=bool(config.fused_step),
       checkpoint=CheckpointSpec(every=config.checkpoint_every, keep=keep),
       task=_task_spec(config), tokenizer=_tokenizer_spec(config), model=_model_spec(config),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 
@@ -241,8 +242,17 @@ def _task_tokenizer(spec: configs.RunSpec, train_ex: list[dict], workdir: str) -
       if e.get(key, e["answer"]) not in seen:
         seen.add(e[key])
         texts.append(e["prompt"] + e[key])
-  tok = train_sentencepiece(texts, spec.tokenizer.vocab_size,
-                            symbols=registry.get_task(spec.task.name).tokenizer_symbols)
+  try:
+    tok = train_sentencepiece(texts, spec.tokenizer.vocab_size,
+                              symbols=registry.get_task(spec.task.name).tokenizer_symbols)
+  except RuntimeError as e:  # sentencepiece's trainer: "... 5 vs 16. Increase vocab_size ..."
+    need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+    if need is None:
+      raise
+    raise configs.ConfigError(
+        f"config.tokenizer.vocab_size={spec.tokenizer.vocab_size} is too small for task "
+        f"{spec.task.name!r}: its characters and special tokens alone need {need.group(1)} "
+        f"tokens; set config.tokenizer.vocab_size >= {need.group(1)}.") from None
   os.makedirs(workdir, exist_ok=True)
   tok.save(path)
   return tok

@@ -55,7 +55,8 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "jax.distributed auto-detection.")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices per process (tests).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices per process (tests).",
+                                    lower_bound=0)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan and exit.")
 
 # Exit status after SIGTERM / SIGINT with a checkpoint saved (EX_TEMPFAIL: "try again"), so a

@@ -3,6 +3,7 @@ and leaves the existing checkpoints of the workdir byte-for-byte intact."""
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -163,6 +164,11 @@ CASES = [
      configs.ConfigError, r"config.guard.max_consecutive_skips=0; expected an integer >= 1"),
     ("huge_max_new_tokens", {"sampler.max_new_tokens": 10 ** 9}, None, configs.ConfigError,
      r"config.sampler.max_new_tokens=1000000000; expected an integer in \[1, 1048576\]"),
+    # jax.random.key keeps 32 bits: 2**32 ran as seed 0, 20 digits were an OverflowError.
+    ("seed_beyond_32_bits", {"seed": 99999999999999999999}, None, configs.ConfigError,
+     r"config.seed=99999999999999999999; expected an integer in \[0, 4294967295\]"),
+    ("seed_2_to_the_32", {"seed": 2 ** 32}, None, configs.ConfigError,
+     r"config.seed=4294967296; expected an integer in \[0, 4294967295\]"),
     # A resume whose settings change the saved state's layout: say what differs (README
     # quickstart: the second command once reused the first one's workdir).
     ("changed_grad_clip_on_resume", {"optim.grad_clip": 0.0}, None, checkpoint.CheckpointError,
@@ -205,6 +211,22 @@ def test_bad_input_has_one_clear_message(run_dir, tmp_path, name, overrides, pre
   assert _files(wd) == files, f"{name} changed the workdir's files"
 
 
+def test_a_vocabulary_too_small_for_the_task_on_a_fresh_workdir(tmp_path):
+  # sentencepiece's trainer raised a RuntimeError ("INTERNAL: src/trainer_interface.cc(638)
+  # ... 5 vs 16 ...") through rlx.main as a traceback.
+  with pytest.raises(configs.ConfigError) as info:
+    trainer.run(runlocal_config(**{"tokenizer.vocab_size": 5, "mesh.data": 1}), str(tmp_path),
+                log=lambda s: None, show_progress=False, **ONE)
+  msg = str(info.value)
+  assert "\n" not in msg
+  assert re.fullmatch(r"config.tokenizer.vocab_size=5 is too small for task 'arithmetic': its "
+                      r"characters and special tokens alone need (\d+) tokens; set "
+                      r"config.tokenizer.vocab_size >= \1.", msg), msg
+  # Only the lock and the data cache (kept, as after a stop in set-up) were written.
+  assert set(os.listdir(tmp_path)) <= {".rlx.lock", "data", "checkpoints"}
+  assert not os.listdir(tmp_path / "checkpoints")
+
+
 def test_batch_not_divisible_by_the_data_axis(tmp_path):
   # All 8 test devices on the data axis: 3 prompts x 4 samples cannot be split 8 ways.
   with pytest.raises(configs.ConfigError, match=r"12 rollouts cannot be split over the 8 "
@@ -228,6 +250,9 @@ def test_unwritable_workdir(tmp_path):
      "--config.rl.group_size?"),
     ("--config.rl.group_size=abc",
      "rlx: error: flag --config.rl.group_size=abc: invalid literal for int()"),
+    ("--cpu_devices=-3", "rlx: error: flag --cpu_devices=-3: -3 is not a non-negative integer"),
+    ("--config.seed=99999999999999999999",
+     "rlx: error: config.seed=99999999999999999999; expected an integer in [0, 4294967295]"),
 ])
 def test_cli_flag_errors_are_one_line(flag, message, tmp_path):
   out = subprocess.run([sys.executable, "-m", "rlx.main", f"--config={ARITH}:runlocal",
