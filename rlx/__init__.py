@@ -59,22 +59,11 @@ def load_config(path: str, arg: str = ""):
   """`get_config(arg)` of an experiment (what --config=path:arg gives the CLI).
 
   path: a config file, or the name of a shipped experiment ("arith", "hf_rl"), which works
-  from a pip install too (experiments/ is installed as rlx.experiments).
+  from a pip install too (experiments/ is installed as rlx.experiments); found by the rule
+  --config follows (rlx.config_file.find). A missing one is a FileNotFoundError.
   """
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  if not path.endswith(".py") and os.sep not in path:
-    try:
-      return importlib.import_module(f"rlx.experiments.{path}").get_config(arg)
-    except ModuleNotFoundError:
-      raise FileNotFoundError(f"No shipped experiment named {path!r}; pass a config file "
-                              f"path or one of rlx.experiments' modules.") from None
-  spec = importlib.util.spec_from_file_location("rlx_experiment_config", path)
-  if spec is None or spec.loader is None or not os.path.exists(path):
-    raise FileNotFoundError(f"Experiment config {path!r} cannot be loaded.")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  from rlx import config_file  # pylint: disable=g-import-not-at-top
+  return config_file.load_module(config_file.find(path)).get_config(arg)
 
 
 def __getattr__(name: str):

@@ -11,10 +11,8 @@ which works from any directory. A mistake in a config or a flag exits at once wi
 75 (rerun to resume); a Ctrl-C before the first step (or a second one) exits with status 130.
 """
 
-import importlib.util
 import logging
 import os
-import pkgutil
 import re
 import signal
 import sys
@@ -37,7 +35,7 @@ if __name__ == "__main__":  # a Ctrl-C while JAX loads (seconds) is not a traceb
 from absl import app, flags
 from ml_collections import config_flags
 
-from rlx import checkpoint, configs, distributed, metrics, trainer
+from rlx import checkpoint, config_file, configs, distributed, metrics, trainer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 # JAX logs each accelerator platform it probes and does not find ("Unable to initialize backend
@@ -74,32 +72,6 @@ def fail(message: str):
   sys.exit(2)
 
 
-def shipped_experiments() -> list[str]:
-  """Names of the experiment configs shipped as rlx.experiments (those with get_config)."""
-  spec = importlib.util.find_spec("rlx.experiments")
-  names = []
-  for m in pkgutil.iter_modules(spec.submodule_search_locations if spec else []):
-    origin = os.path.join(os.path.dirname(spec.origin), m.name + ".py")
-    try:
-      with open(origin, encoding="utf-8") as f:
-        if "\ndef get_config(" in f.read():
-          names.append(m.name)
-    except OSError:
-      continue
-  return sorted(names)
-
-
-def _shipped_path(name: str) -> str | None:
-  """The file of shipped experiment `name`, or None if `name` is not one."""
-  if not name.isidentifier():
-    return None
-  try:
-    spec = importlib.util.find_spec(f"rlx.experiments.{name}")
-  except (ImportError, ValueError):
-    return None
-  return spec.origin if spec is not None and spec.origin else None
-
-
 def _config_flag(argv: list[str]) -> tuple[int, str] | None:
   """(index in argv, value) of --config=VALUE or --config VALUE (the last one wins)."""
   found = None
@@ -122,19 +94,14 @@ def resolve_config(argv: list[str]) -> list[str]:
   if found is None:
     return argv  # absl reports the missing required flag
   i, value = found
-  path, sep, arg = value.partition(":")
-  given = path
-  if (path and not os.path.exists(path) and os.sep not in path and "/" not in path
-      and not path.endswith(".py")):
-    shipped = _shipped_path(path)
-    if shipped:
-      path = shipped
-      argv = list(argv)
-      argv[i] = argv[i][:len(argv[i]) - len(value)] + path + sep + arg
-  if not os.path.isfile(path):
-    names = ", ".join(shipped_experiments()) or "none found"
-    what = "is not a file" if os.path.exists(path) else "does not exist"
-    fail(f"config file {path!r} {what}; pass a path or a shipped experiment name ({names})")
+  given, sep, arg = value.partition(":")
+  try:
+    path = config_file.find(given)  # the rule rlx.sweep and rlx.load_config follow too
+  except FileNotFoundError as e:
+    fail(str(e))
+  if path != given:  # absl's config flag takes a file: a shipped name becomes its path
+    argv = list(argv)
+    argv[i] = argv[i][:len(argv[i]) - len(value)] + path + sep + arg
   _check_config_loads(path, arg, given)
   return argv
 
@@ -142,9 +109,7 @@ def resolve_config(argv: list[str]) -> list[str]:
 def _check_config_loads(path: str, arg: str, given: str) -> None:
   """Runs the config file's get_config(arg) once, so any failure is one line, not a traceback."""
   try:
-    spec = importlib.util.spec_from_file_location("rlx_config_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = config_file.load_module(path, "rlx_config_check")
     if not callable(getattr(module, "get_config", None)):
       fail(f"config file {given!r} defines no get_config(arg); expected an experiment config "
            f"like experiments/arith.py.")

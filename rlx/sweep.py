@@ -1,12 +1,14 @@
 r"""Ablation sweeps: run each override set of an experiment's `get_sweep(arg)`, then compare.
 
   python -m rlx.sweep --config=experiments/arith.py --workdir_root=/tmp/rlx_sweep
+  python -m rlx.sweep --config=arith:runlocal --workdir_root=/tmp/rlx_sweep_local  # any directory
   python -m rlx.sweep --config=experiments/arith.py:runlocal --workdir_root=/tmp/rlx_sweep_local
   python -m rlx.sweep --config=experiments/arith.py --workdir_root=DIR --print_only  # commands
   python -m rlx.sweep --config=experiments/arith.py --workdir_root=DIR --max_runs=2 \
       --config.total_steps=50          # --config.* flags apply to every run
 
-An experiment file opts in by defining
+--config takes a config file or the name of an experiment shipped with rlx, found as rlx.main
+finds it (rlx.config_file). An experiment file opts in by defining
 
   def get_sweep(arg: str = "") -> list[dict]:
     return [{"rl.group_size": 4}, {"rl.group_size": 8, "_name": "big_groups"}]
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import os
 import re
 import shlex
@@ -44,7 +45,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rlx import report
+from rlx import config_file, report
 
 # Config keys whose values decide the warm-start model (see rlx.experiment.setup).
 _WARM_START_PREFIXES = ("task.", "model.", "tokenizer.", "sft.", "warm_start.")
@@ -61,13 +62,12 @@ def _split_config_arg(config: str) -> tuple[str, str]:
 
 
 def load_config_module(path: str):
-  if not os.path.isfile(path):
-    raise SweepError(f"--config={path!r} is not a file; expected an experiment config such as "
-                     f"experiments/arith.py.")
-  spec = importlib.util.spec_from_file_location("rlx_sweep_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """The module of a config file or shipped experiment name, as rlx.main finds it."""
+  try:
+    file = config_file.find(path)
+  except FileNotFoundError as e:
+    raise SweepError(str(e)) from None
+  return config_file.load_module(file, "rlx_sweep_config")
 
 
 def _has_key(config, key: str) -> bool:
@@ -384,7 +384,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   parser = argparse.ArgumentParser(prog="python -m rlx.sweep", description=__doc__.split(
       "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Any --config.key=value flag is passed to every run.")
-  parser.add_argument("--config", required=True, help="experiments/X.py[:arg] with get_sweep")
+  parser.add_argument("--config", required=True,
+                      help="experiments/X.py[:arg] or a shipped name (arith[:arg]) with get_sweep")
   parser.add_argument("--workdir_root", required=True, help="each run goes to DIR/<run name>")
   parser.add_argument("--print_only", action="store_true",
                       help="print one command per run and exit")

@@ -39,6 +39,42 @@ def test_print_only_prints_one_command_per_run(capsys, tmp_path):
   assert not os.listdir(tmp_path)  # nothing ran
 
 
+def test_a_shipped_experiment_is_found_by_name_from_any_directory(capsys, tmp_path,
+                                                                  monkeypatch):
+  # Regression (issue 37): `--config=arith:runlocal` failed ("is not a file") outside the repo
+  # root although rlx.main accepts it; a directory named like the experiment (a workdir called
+  # arith) does not hide it either.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "arith").mkdir()
+  assert sweep.main(["--config=arith:runlocal", f"--workdir_root={tmp_path / 'sw'}",
+                     "--print_only"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert [shlex.split(l)[3:5] for l in lines] == [
+      ["--config=arith:runlocal", f"--workdir={tmp_path}/sw/seed-0"],
+      ["--config=arith:runlocal", f"--workdir={tmp_path}/sw/seed-1"]]
+  assert sweep.main(["--config=nope", f"--workdir_root={tmp_path / 'sw'}", "--print_only"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("rlx.sweep: error: config file 'nope' does not exist; pass a path or a "
+                        "shipped experiment name (") and "arith" in err and "\n" not in err
+
+
+def test_one_rule_finds_configs_for_main_sweep_and_load_config(tmp_path, monkeypatch):
+  import rlx
+  from rlx import config_file, main
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "arith").mkdir()
+  shipped = config_file.find("arith")
+  assert shipped.endswith(os.path.join("experiments", "arith.py")) and os.path.isfile(shipped)
+  assert main.resolve_config(["rlx", "--config=arith:runlocal"])[1] == (
+      f"--config={shipped}:runlocal")
+  assert sweep.load_sweep("arith:runlocal")[1] == rlx.load_config("arith", "runlocal")
+  (tmp_path / "mine").write_text("def get_config(arg=''):\n  return arg\n")  # a file wins
+  assert config_file.find("mine") == "mine" and rlx.load_config("mine", "x") == "x"
+  with pytest.raises(FileNotFoundError, match=r"config file 'nope.py' does not exist; pass a "
+                     r"path or a shipped experiment name \(.*arith"):
+    rlx.load_config("nope.py")
+
+
 def test_max_runs_keeps_the_names_of_the_full_sweep(capsys, tmp_path):
   assert sweep.main([f"--config={ARITH}", f"--workdir_root={tmp_path}", "--print_only",
                      "--max_runs", "1"]) == 0
