@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections as mlc
 
+from rlx.data import registry
+from rlx.errors import ConfigError
 from rlx.model.config import ModelConfig
 from rlx.model.lora import LoRAConfig
 from rlx.rl import advantages as adv_lib
@@ -27,10 +29,6 @@ from rlx.sampler.sampling import SamplingParams
 
 SAMPLER_IMPLS = ("dense", "paged")
 _MODEL_KEYS_NOT_ARCH = ("path",)
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the key."""
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -491,7 +489,6 @@ def _level_weights(config, key: str, *, allow_empty: bool = False
 
 
 def _task_spec(config) -> TaskSpec:
-  from rlx.data import registry  # pylint: disable=g-import-not-at-top  (registry imports us)
   t = config.task
   task = registry.get_task(t.name)  # an unknown name fails here, before any work
   _number(config, "task.teacher_error_rate", 0, 1)

@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 
 from rlx import distributed
 from rlx import sharding as shd
+from rlx import update_plan
 from rlx.data.tasks import PromptPool, Verifier
 from rlx.model import lora as lora_lib
 from rlx.model import transformer
@@ -50,6 +51,8 @@ from rlx.rl import selection
 from rlx.rl.loss import LossConfig, importance_weights, policy_loss
 from rlx.sampler import dense, paged
 from rlx.sampler.sampling import SamplingParams, prompt_positions
+# The host-side shape planning (re-exported: tests, rlx.memory and benchmarks use them here).
+from rlx.update_plan import micro_parts, part_widths, row_order, update_rows, update_width  # pylint: disable=unused-import
 
 
 @struct.dataclass
@@ -401,14 +404,14 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   stats["ledger/groups_sampled"] = jnp.asarray(groups.shape[0], jnp.float32)
   if cfg.selection.dynamic_filter:
     order = selection.dynamic_filter_order(rewards.reshape(-1, g))[:cfg.prompts_per_step]
-    row_order = (order[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
-    kept_tokens = jnp.take(lengths, row_order).sum()
+    kept_rows = (order[:, None] * g + jnp.arange(g)[None, :]).reshape(-1)
+    kept_tokens = jnp.take(lengths, kept_rows).sum()
     stats["ledger/tokens_discarded"] = lengths.sum() - kept_tokens
-    batch = jax.tree.map(lambda v: jnp.take(v, row_order, axis=0), batch)
-    rewards = jnp.take(rewards, row_order)
-    correct = jnp.take(correct, row_order)
+    batch = jax.tree.map(lambda v: jnp.take(v, kept_rows, axis=0), batch)
+    rewards = jnp.take(rewards, kept_rows)
+    correct = jnp.take(correct, kept_rows)
     if length_adv is not None:
-      length_adv = jnp.take(length_adv, row_order)
+      length_adv = jnp.take(length_adv, kept_rows)
   else:
     stats["ledger/tokens_discarded"] = jnp.zeros((), jnp.float32)
   advantages, _ = adv_lib.group_advantages(rewards, g, cfg.advantage, valid=valid)
@@ -462,74 +465,60 @@ def _with_replay(state: TrainState, fresh: Batch, cfg: StepConfig):
   return state.replace(replay=ring), batch, replayed
 
 
-def update_width(max_len: int, max_new_tokens: int, buckets: int) -> int:
-  """The completion width the update compiles for: the smallest of `buckets` widths
-  (multiples of 8 spread up to max_new_tokens) that holds `max_len` tokens."""
-  if buckets <= 1:
-    return max_new_tokens
-  for k in range(1, buckets + 1):
-    w = -(-max_new_tokens * k // buckets)  # ceil(T k / n) ...
-    w = min(max_new_tokens, -(-w // 8) * 8)  # ... rounded up to a multiple of 8
-    if w >= max_len:
-      return w
-  return max_new_tokens
-
-
-def update_rows(signal_rows: int, total_rows: int, multiple: int = 1) -> int:
-  """Rows the update computes on: half the batch when at most half carries signal (and half
-  splits over `multiple` devices), else all of it. Two compiled sizes at most."""
-  half = total_rows // 2
-  if total_rows % 2 == 0 and half % multiple == 0 and signal_rows <= half:
-    return half
-  return total_rows
-
-
 def _trim(batch: Batch, width: int) -> Batch:
   return batch.replace(completions=batch.completions[:, :width],
                        behaviour_logp=batch.behaviour_logp[:, :width])
 
 
-def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
-           mesh: Mesh | None = None, width: int | None = None,
-           rows: int | None = None, parts: tuple[int, ...] | None = None
-           ) -> tuple[TrainState, dict]:
-  """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch.
+# ----------------------------------------------------------------------------- the update
+#
+# `update` is a composition of phases, each a module-level function:
+#   mix_replay -> order_rows -> split_micro_batches -> proximal_and_reference_logp ->
+#   optimise (epochs x minibatches; gradient accumulation over micro-batches; finite guard)
+#   -> update_metrics
 
-  width: completion columns the update computes on (static; `update_width` of the longest
-    row, fresh or replayed); None = all of max_new_tokens. Columns past every row's length
-    are padding: cutting them changes no result (the loss normaliser of
-    seq_mean_token_sum_norm stays max_new_tokens) and saves their FLOPs.
-  rows: rows the update computes on (static; `update_shape`); None = all. With one
-    minibatch and no KL term a zero-advantage row adds exactly nothing to the gradient
-    (every per-token term is w * A * ratio), so the rows with signal (replayed rows first)
-    are moved to the front and only the first `rows` are computed on; the loss keeps the
-    whole batch's row and token counts as its normalisers, so the result is unchanged.
-  parts: length-sorted micro-batches (static; `update_shape`, one minibatch only): the rows
-    computed on are sorted longest first and split into len(parts) equal micro-batches,
-    micro-batch i cut to parts[i] completion columns. The loss is a sum over rows with the
-    whole batch's normalisers, so the summed gradient of the micro-batches is the gradient
-    of the batch (one optimizer step, same result) while the short rows no longer pay for
-    the longest row's width. None = one micro-batch at `width`.
-  pi_old (the proximal policy) is the current policy's log-prob before any update, so the
-  first minibatch's gradient pass yields it (stop-gradient) at no cost (cfg.fuse_pi_old);
-  only the other minibatches need a forward pass before the updates, and later passes over
-  the batch reuse what the first one stored. With one minibatch no extra forward runs.
+
+class Ordered(NamedTuple):
+  """The rows the update computes on (`order_rows`).
+
+  batch: those rows (ordered; the whole batch when nothing is reordered), at the update's
+  width; full: the whole batch at that width; order: batch row k is full row order[k] (None:
+  the same rows); full_t: completion columns before any cut (the loss's length normaliser);
+  norms: the loss's row / token normalisers (the whole batch's); left_out: signal rows not
+  computed on (must be 0); drop: rows were left out.
   """
-  fresh = batch = ro.batch
-  replayed = None
-  if cfg.replay is not None:
-    state, batch, replayed = _with_replay(state, fresh, cfg)
-    if mesh is not None:
-      batch, replayed = shd.constrain_batch((batch, replayed), mesh)
+
+  batch: Batch
+  full: Batch
+  order: jax.Array | None
+  full_t: int
+  norms: dict
+  left_out: jax.Array | None
+  drop: bool
+
+
+def mix_replay(state: TrainState, fresh: Batch, cfg: StepConfig, mesh: Mesh | None):
+  """Phase 1: the fresh rows plus the replayed ones (state's ring updated). Returns (state,
+  batch, replayed bool[B+R] or None)."""
+  if cfg.replay is None:
+    return state, fresh, None
+  state, batch, replayed = _with_replay(state, fresh, cfg)
+  if mesh is not None:
+    batch, replayed = shd.constrain_batch((batch, replayed), mesh)
+  return state, batch, replayed
+
+
+def order_rows(batch: Batch, n_fresh: int, cfg: StepConfig, mesh: Mesh | None,
+               width: int | None, rows: int | None, parts: tuple[int, ...] | None) -> Ordered:
+  """Phase 2: cut the batch to `width` columns; with `rows`, keep the rows `row_order` picks;
+  with `parts`, sort them longest first (each micro-batch's width was sized for its rows)."""
   full_t = batch.completions.shape[1]
   if width is not None and width < full_t:
     batch = _trim(batch, width)
   all_rows = batch.lengths.shape[0]
   t = batch.completions.shape[1]
-  full_mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
   m = cfg.num_minibatches
   drop = rows is not None and rows < all_rows
-  parts = tuple(parts) if parts is not None and len(parts) > 1 else None
   if drop and (m != 1 or cfg.loss.kl_coef > 0):
     raise ValueError(f"update rows={rows} < {all_rows} needs one minibatch and no KL term.")
   if parts is not None and (m != 1 or (rows or all_rows) % len(parts) or max(parts) > t):
@@ -539,142 +528,198 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   # no tokens, advantage 0; they must not dilute seq_mean_* aggregations).
   unsampled = cfg.batch_size - cfg.sampled_rows
   norms = dict(norm_rows=all_rows - unsampled) if unsampled else {}
-  order = None
-  if drop or parts is not None:
-    n_fresh = fresh.lengths.shape[0]
-    is_rep = jnp.arange(all_rows) >= n_fresh
-    if drop:  # replayed rows, then fresh rows with signal, then the shortest zero-adv rows
-      zero = (batch.advantages == 0) & ~is_rep
-      key = (jnp.where(is_rep, 0, jnp.where(zero, 2, 1)) * (full_t + 1) +
-             jnp.where(zero, batch.lengths, 0))
-      order = jnp.argsort(key, stable=True)[:rows]
-    else:
-      order = jnp.arange(all_rows)
-    if parts is not None:  # longest first: the host sized each micro-batch's width for it
-      order = order[jnp.argsort(-jnp.take(batch.lengths, order), stable=True)]
-    signal = batch.advantages != 0
-    left_out = signal.sum() - jnp.take(signal, order).sum()
-    # (from the lengths: rows left out may be longer than the columns computed on)
-    norms = dict(norm_rows=all_rows - unsampled,
-                 norm_tokens=batch.lengths.astype(jnp.float32).sum())
-    full_batch = batch
-    batch = jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch)
+  if not drop and parts is None:
+    return Ordered(batch, batch, None, full_t, norms, None, False)
+  is_rep = jnp.arange(all_rows) >= n_fresh
+  if drop:
+    zero = (batch.advantages == 0) & ~is_rep
+    order = row_order(is_rep, zero, batch.lengths, full_t, rows, xp=jnp)
+  else:
+    order = jnp.arange(all_rows)
+  if parts is not None:  # longest first: the host sized each micro-batch's width for it
+    order = order[jnp.argsort(-jnp.take(batch.lengths, order), stable=True)]
+  signal = batch.advantages != 0
+  left_out = signal.sum() - jnp.take(signal, order).sum()
+  # (from the lengths: rows left out may be longer than the columns computed on)
+  norms = dict(norm_rows=all_rows - unsampled,
+               norm_tokens=batch.lengths.astype(jnp.float32).sum())
+  ordered = jax.tree.map(lambda x: jnp.take(x, order, axis=0), batch)
+  if mesh is not None:
+    ordered = shd.constrain_batch(ordered, mesh)
+  return Ordered(ordered, batch, order, full_t, norms, left_out, drop)
+
+
+def split_micro_batches(batch: Batch, widths: tuple[int, ...], mesh: Mesh | None,
+                        m: int) -> tuple[Batch, ...]:
+  """Phase 3: equal row slices, slice i cut to widths[i] columns, each split into the
+  optimizer's m minibatches ([m, rows/m, ...], strided)."""
+  r = batch.lengths.shape[0] // len(widths)
+  if len(widths) == 1:
+    part_batches = [batch]
+  else:
+    part_batches = [_trim(jax.tree.map(lambda x, i=i: x[i * r:(i + 1) * r], batch), w)
+                    for i, w in enumerate(widths)]
     if mesh is not None:
-      batch = shd.constrain_batch(batch, mesh)
-  rows_c = batch.lengths.shape[0]
-  widths = parts or (t,)
-  r = rows_c // len(widths)
-  part_batches = [batch] if parts is None else [
-      _trim(jax.tree.map(lambda x, i=i: x[i * r:(i + 1) * r], batch), w)
-      for i, w in enumerate(widths)]
-  if mesh is not None and parts is not None:
-    part_batches = [shd.constrain_batch(b, mesh) for b in part_batches]
-  model_logp = functools.partial(completion_logprobs, graphdef,
-                                 temperature=cfg.sampling.policy_temperature,
-                                 chunk=cfg.logprob_chunk, remat=cfg.remat)
+      part_batches = [shd.constrain_batch(b, mesh) for b in part_batches]
+  return tuple(_minibatches(b, m) for b in part_batches)
 
-  def logp_fn(params, *seqs):  # params: the trainable tree (LoRA: adapters, unmerged path)
-    return model_logp(model_params(params, state.base, cfg), *seqs)
-  mb_parts = tuple(_minibatches(b, m) for b in part_batches)
-  mb_seqs = tuple((b.prompts, b.prompt_lens, b.completions, b.lengths) for b in mb_parts)
 
-  def forward(params, seqs, fn=logp_fn):  # no-grad log-probs, one minibatch live at a time
+@dataclasses.dataclass(frozen=True)
+class _Policy:
+  """The trainable model's completion log-probs (LoRA: adapters on the unmerged path)."""
+
+  graphdef: Any
+  cfg: StepConfig
+  base: Any
+
+  def model_logp(self, params, *seqs):  # params: a whole model's weights
+    return completion_logprobs(self.graphdef, params, *seqs,
+                               temperature=self.cfg.sampling.policy_temperature,
+                               chunk=self.cfg.logprob_chunk, remat=self.cfg.remat)
+
+  def __call__(self, params, *seqs):  # params: the trainable tree
+    return self.model_logp(model_params(params, self.base, self.cfg), *seqs)
+
+  def forward(self, params, seqs, fn=None):
+    """No-grad log-probs over [m, ...] minibatches, one minibatch live at a time."""
+    fn = fn or self
     return jax.lax.map(lambda x: fn(params, *x)[0], seqs)
 
-  def first_pi_old(b, seqs):
+
+def _seqs(b: Batch):
+  return (b.prompts, b.prompt_lens, b.completions, b.lengths)
+
+
+def proximal_and_reference_logp(state: TrainState, mb_parts, policy: _Policy,
+                                cfg: StepConfig):
+  """Phase 4: pi_old per micro-batch (the policy before this update; with fuse_pi_old the
+  first minibatch's gradient pass yields it, so only the others need a forward) and the KL
+  reference's log-probs (None without a KL term; LoRA: the base with the adapters off)."""
+  m = cfg.num_minibatches
+
+  def first_pi_old(b):
     if not cfg.fuse_pi_old:
-      return forward(state.params, seqs)
+      return policy.forward(state.params, _seqs(b))
     first = jnp.zeros((1, *b.behaviour_logp.shape[1:]), jnp.float32)
     if m == 1:
       return first
-    return jnp.concatenate([first, forward(state.params, jax.tree.map(lambda x: x[1:], seqs))])
+    rest = jax.tree.map(lambda x: x[1:], _seqs(b))
+    return jnp.concatenate([first, policy.forward(state.params, rest)])
 
-  pi_old = jax.lax.stop_gradient(tuple(first_pi_old(b, s) for b, s in zip(mb_parts, mb_seqs)))
+  pi_old = jax.lax.stop_gradient(tuple(first_pi_old(b) for b in mb_parts))
   ref_logp = None
-  if cfg.loss.kl_coef > 0:  # LoRA: the reference is the base with the adapters off
-    ref_logp = tuple(forward(state.base, s, model_logp) if cfg.lora is not None else
-                     forward(state.ref_params, s) for s in mb_seqs)
+  if cfg.loss.kl_coef > 0:
+    ref_logp = tuple(policy.forward(state.base, _seqs(b), policy.model_logp)
+                     if cfg.lora is not None else policy.forward(state.ref_params, _seqs(b))
+                     for b in mb_parts)
+  return pi_old, ref_logp
 
-  def part_loss(params, b, ref, old_in, is_first):  # one micro-batch's share of the loss
-    logp, mask = logp_fn(params, b.prompts, b.prompt_lens, b.completions, b.lengths)
+
+@dataclasses.dataclass(frozen=True)
+class _Loss:
+  """One micro-batch's share of the loss (the whole batch's normalisers) and its gradient."""
+
+  policy: _Policy
+  cfg: StepConfig
+  full_t: int
+  norms: tuple[tuple[str, Any], ...]
+
+  def __call__(self, params, b, ref, old_in, is_first):
+    logp, mask = self.policy(params, *_seqs(b))
     old = jnp.where(is_first, jax.lax.stop_gradient(logp), old_in)
-    anchor = b.behaviour_logp if cfg.loss.anchor == "behaviour" else old
+    anchor = b.behaviour_logp if self.cfg.loss.anchor == "behaviour" else old
     loss, metrics = policy_loss(logp, anchor, b.behaviour_logp, b.advantages, mask,
-                                cfg.loss, ref, norm_len=full_t, **norms)
+                                self.cfg.loss, ref, norm_len=self.full_t, **dict(self.norms))
     return loss, (metrics, old, mask.astype(jnp.float32).sum())
 
-  part_grad = jax.value_and_grad(part_loss, has_aux=True)
+  def grad(self, *args):
+    return jax.value_and_grad(self.__call__, has_aux=True)(*args)
 
-  def run_parts(params, bs, refs, olds_in, is_first):
-    """Equal-shape micro-batches as one scan: part k+1 reuses part k's buffers. (A Python loop
-    of value-and-grads, even with an optimization barrier between the parts, kept every
-    part's activations live in XLA's buffer assignment: measured, tests/test_memory.py.)"""
-    def body(acc, xs):
-      b, ref, old_in = xs
-      (loss, (metrics, old, count)), g = part_grad(params, b, ref, old_in, is_first)
-      return (g if acc is None else jax.tree.map(jnp.add, acc, g)), (loss, metrics, old, count)
-    if len(bs) == 1:
-      g, (loss, metrics, old, count) = body(None, (bs[0], refs and refs[0], olds_in[0]))
-      return g, loss[None], {k: v[None] for k, v in metrics.items()}, [old], count[None]
-    stack = lambda xs: None if xs is None else jax.tree.map(lambda *x: jnp.stack(x), *xs)
-    g, (losses, metrics, olds, counts) = jax.lax.scan(
-        body, jax.tree.map(jnp.zeros_like, params), (stack(bs), stack(refs), stack(olds_in)))
-    return g, losses, metrics, [olds[k] for k in range(len(bs))], counts
 
-  def loss_and_grads(params, bs, refs, olds_in, is_first):
-    """The batch's loss and gradient, micro-batch by micro-batch (gradient accumulation).
+def _accumulate_equal_parts(loss: _Loss, params, bs, refs, olds_in, is_first):
+  """Equal-shape micro-batches as one scan: part k+1 reuses part k's buffers. (A Python loop
+  of value-and-grads, even with an optimization barrier between the parts, kept every part's
+  activations live in XLA's buffer assignment: measured, tests/test_memory.py.)"""
+  def body(acc, xs):
+    b, ref, old_in = xs
+    (l, (metrics, old, count)), g = loss.grad(params, b, ref, old_in, is_first)
+    return (g if acc is None else jax.tree.map(jnp.add, acc, g)), (l, metrics, old, count)
+  if len(bs) == 1:
+    g, (l, metrics, old, count) = body(None, (bs[0], refs and refs[0], olds_in[0]))
+    return g, l[None], {k: v[None] for k, v in metrics.items()}, [old], count[None]
+  stack = lambda xs: None if xs is None else jax.tree.map(lambda *x: jnp.stack(x), *xs)
+  g, (losses, metrics, olds, counts) = jax.lax.scan(
+      body, jax.tree.map(jnp.zeros_like, params), (stack(bs), stack(refs), stack(olds_in)))
+  return g, losses, metrics, [olds[k] for k in range(len(bs))], counts
 
-    Each part's loss already carries the whole batch's normalisers, so the summed gradient is
-    the batch's. Consecutive parts of one width run as a scan (`run_parts`), so at most one
-    part per distinct width is live: with `update_micro_rows` at equal widths, one part.
-    """
-    if len(bs) == 1:
-      (loss, (metrics, old, _)), grads = part_grad(
-          params, bs[0], None if refs is None else refs[0], olds_in[0], is_first)
-      return loss, metrics, (old,), grads
-    runs, start = [], 0
-    for k in range(1, len(bs) + 1):
-      if k == len(bs) or bs[k].completions.shape != bs[start].completions.shape:
-        runs.append(list(range(start, k)))
-        start = k
-    grads, losses, mets, olds, counts = None, [], [], [], []
-    for run in runs:
-      pick = lambda xs, run=run: None if xs is None else [xs[k] for k in run]
-      g, loss, metrics, old, count = run_parts(params, pick(bs), pick(refs), pick(olds_in),
-                                               is_first)
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-      losses.append(loss)
-      mets.append(metrics)
-      olds += old
-      counts.append(count)
-    losses, counts = jnp.concatenate(losses), jnp.concatenate(counts)
-    n = counts.sum()  # token means over all parts, weighted by their tokens
-    metrics = {k: (jnp.concatenate([m[k] for m in mets]) * counts).sum() / jnp.maximum(n, 1.0)
-               for k in mets[0]}
-    metrics["loss/policy"] = losses.sum()
-    return losses.sum(), metrics, tuple(olds), grads
+
+def loss_and_grads(loss: _Loss, params, bs, refs, olds_in, is_first):
+  """The batch's loss and gradient, micro-batch by micro-batch (gradient accumulation).
+
+  Each part's loss already carries the whole batch's normalisers, so the summed gradient is
+  the batch's. Consecutive parts of one width run as a scan (`_accumulate_equal_parts`), so
+  at most one part per distinct width is live: with `update_micro_rows` at equal widths, one.
+  """
+  if len(bs) == 1:
+    (l, (metrics, old, _)), grads = loss.grad(
+        params, bs[0], None if refs is None else refs[0], olds_in[0], is_first)
+    return l, metrics, (old,), grads
+  runs, start = [], 0
+  for k in range(1, len(bs) + 1):
+    if k == len(bs) or bs[k].completions.shape != bs[start].completions.shape:
+      runs.append(list(range(start, k)))
+      start = k
+  grads, losses, mets, olds, counts = None, [], [], [], []
+  for run in runs:
+    pick = lambda xs, run=run: None if xs is None else [xs[k] for k in run]
+    g, l, metrics, old, count = _accumulate_equal_parts(loss, params, pick(bs), pick(refs),
+                                                        pick(olds_in), is_first)
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    losses.append(l)
+    mets.append(metrics)
+    olds += old
+    counts.append(count)
+  losses, counts = jnp.concatenate(losses), jnp.concatenate(counts)
+  n = counts.sum()  # token means over all parts, weighted by their tokens
+  metrics = {k: (jnp.concatenate([m[k] for m in mets]) * counts).sum() / jnp.maximum(n, 1.0)
+             for k in mets[0]}
+  metrics["loss/policy"] = losses.sum()
+  return losses.sum(), metrics, tuple(olds), grads
+
+
+def guarded_apply(tx, grads, loss, params, opt_state):
+  """One optimizer update, skipped (params and state unchanged) when the loss or the
+  gradient's global norm is non-finite. Returns (params, opt_state, grad_norm, finite).
+
+  The norm is one fused reduction (non-finite iff an entry is, or the squares overflow f32);
+  the optimizer runs under lax.cond, so a skipped update computes nothing and a kept one
+  needs no select over params and optimizer state (at 100M on CPU, per-leaf isfinite on
+  grads and new params plus those selects cost ~0.3 s per update; traced). With finite
+  gradients, clip + AdamW give finite results. The host loop stops after K skips in a row.
+  """
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+  def apply(params, opt_state):
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state
+  params, opt_state = jax.lax.cond(finite, apply, lambda p, s: (p, s), params, opt_state)
+  return params, opt_state, grad_norm, finite
+
+
+def optimise(state: TrainState, mb_parts, pi_old, ref_logp, loss: _Loss, cfg: StepConfig, tx):
+  """Phase 5: num_updates epochs x num_minibatches guarded optimizer steps (one scan each).
+  Returns (params, opt_state, pi_old per micro-batch as computed, mean metrics)."""
+  m = cfg.num_minibatches
 
   def minibatch_step(carry, xs):
     params, opt_state, store, epoch = carry
     j, b, ref = xs
     is_first = (epoch == 0) & (j == 0) & cfg.fuse_pi_old
-    loss, metrics, old, grads = loss_and_grads(params, b, ref, tuple(s[j] for s in store),
-                                               is_first)
+    l, metrics, old, grads = loss_and_grads(loss, params, b, ref,
+                                            tuple(s[j] for s in store), is_first)
     store = tuple(s.at[j].set(o) for s, o in zip(store, old))
-    # Numeric guard: an update with a non-finite loss or gradient is skipped (params and
-    # optimizer state unchanged) and counted; the host loop stops after K in a row. The check
-    # is the gradient's global norm (non-finite iff an entry is, or if the squares overflow
-    # f32): one fused reduction. The optimizer runs under lax.cond, so a skipped update
-    # computes nothing and a kept one needs no select over params and optimizer state (at
-    # 100M on CPU, per-leaf isfinite on grads and new params plus those selects cost ~0.3 s
-    # per update; traced). With finite gradients, clip + AdamW give finite results.
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-
-    def apply(params, opt_state):
-      updates, new_opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_opt_state
-    params, opt_state = jax.lax.cond(finite, apply, lambda p, s: (p, s), params, opt_state)
+    params, opt_state, grad_norm, finite = guarded_apply(tx, grads, l, params, opt_state)
     metrics["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
     metrics["guard/skipped_updates"] = (~finite).astype(jnp.float32)
     return (params, opt_state, store, epoch), metrics
@@ -682,8 +727,7 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   def epoch_step(carry, epoch):
     params, opt_state, store = carry
     (params, opt_state, store, _), metrics = jax.lax.scan(
-        minibatch_step, (params, opt_state, store, epoch),
-        (jnp.arange(m), mb_parts, ref_logp))
+        minibatch_step, (params, opt_state, store, epoch), (jnp.arange(m), mb_parts, ref_logp))
     return (params, opt_state, store), metrics
 
   (params, opt_state, pi_old), metrics = jax.lax.scan(
@@ -691,6 +735,15 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   skipped = metrics.pop("guard/skipped_updates").sum()
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["guard/skipped_updates"] = skipped
+  return params, opt_state, pi_old, metrics
+
+
+def update_metrics(metrics: dict, state: TrainState, ro: Rollouts, o: Ordered,
+                   widths: tuple[int, ...], pi_old, replayed, cfg: StepConfig) -> dict:
+  """Phase 6: the update's guards and shape, then the step's ledger over the whole batch."""
+  batch = o.batch
+  t = batch.completions.shape[1]
+  r = batch.lengths.shape[0] // len(widths)
   old_logp = jnp.concatenate([jnp.pad(_unminibatch(p), ((0, 0), (0, t - w)))
                               for p, w in zip(pi_old, widths)])
   mask = jnp.arange(t)[None, :] < batch.lengths[:, None]
@@ -699,23 +752,59 @@ def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
   row_width = jnp.repeat(jnp.asarray(widths, jnp.int32), r)
   metrics["guard/rows_over_width"] = (batch.lengths > row_width).sum().astype(jnp.float32)
   computed = sum(r * (batch.prompts.shape[1] + w) for w in widths)
-  counted = (batch.advantages != 0) if drop else jnp.ones(batch.lengths.shape, bool)
+  counted = (batch.advantages != 0) if o.drop else jnp.ones(batch.lengths.shape, bool)
   real = jnp.where(counted, batch.prompt_lens + batch.lengths, 0).astype(jnp.float32).sum()
-  if order is not None:  # back to the whole batch's rows; rows left out have no pi_old
-    old_logp = jnp.zeros(full_mask.shape, jnp.float32).at[order].set(old_logp)
-    mask = jnp.zeros(full_mask.shape, bool).at[order].set(mask)
-    batch = full_batch
+  rows_c = batch.lengths.shape[0]
+  if o.order is not None:  # back to the whole batch's rows; rows left out have no pi_old
+    full_mask = jnp.arange(t)[None, :] < o.full.lengths[:, None]
+    old_logp = jnp.zeros(full_mask.shape, jnp.float32).at[o.order].set(old_logp)
+    mask = jnp.zeros(full_mask.shape, bool).at[o.order].set(mask)
+    batch = o.full
   metrics["ledger/update_width"] = jnp.asarray(t, jnp.float32)
   metrics["ledger/update_rows"] = jnp.asarray(rows_c, jnp.float32)
   metrics["ledger/update_parts"] = jnp.asarray(len(widths), jnp.float32)
   # Must be 0 (the host sizes `rows` from the signal count); the trainer checks it.
-  metrics["guard/signal_rows_left_out"] = (left_out if order is not None else
+  metrics["guard/signal_rows_left_out"] = (o.left_out if o.order is not None else
                                            jnp.zeros((), jnp.int32)).astype(jnp.float32)
   # Token slots the update computed on that were padding (cut columns, left-out rows and the
   # columns past each micro-batch's width are not computed, so they do not count).
   metrics["ledger/update_pad_frac"] = 1.0 - jnp.minimum(real, computed) / computed
-  metrics.update(ledger(fresh, ro.stats, batch, mask, old_logp, replayed,
+  metrics.update(ledger(ro.batch, ro.stats, batch, mask, old_logp, replayed,
                         state.policy_version, cfg, ro.valid))
+  return metrics
+
+
+def update(state: TrainState, ro: Rollouts, *, graphdef, cfg: StepConfig, tx,
+           mesh: Mesh | None = None, width: int | None = None,
+           rows: int | None = None, parts: tuple[int, ...] | None = None
+           ) -> tuple[TrainState, dict]:
+  """num_updates passes of num_minibatches optimizer steps on the (fresh + replayed) batch.
+
+  width / rows / parts: the update's static shape (`rlx.update_plan.plan`; None: all of it).
+  width: completion columns computed on (columns past every row's length are padding:
+    cutting them changes no result; the loss normaliser stays max_new_tokens).
+  rows: with one minibatch and no KL term a zero-advantage row adds exactly nothing to the
+    gradient (every per-token term is w * A * ratio), so the rows with signal (replayed rows
+    first) are moved to the front and only the first `rows` are computed on; the loss keeps
+    the whole batch's row and token counts as its normalisers, so the result is unchanged.
+  parts: length-sorted micro-batches (one minibatch only): rows sorted longest first, split
+    into len(parts) equal micro-batches, micro-batch i cut to parts[i] columns; their summed
+    gradient is the batch's (one optimizer step) while short rows stop paying for the
+    longest row's width.
+  pi_old (the proximal policy) is the current policy's log-prob before any update: the first
+  minibatch's gradient pass yields it (cfg.fuse_pi_old); later passes reuse it.
+  """
+  parts = tuple(parts) if parts is not None and len(parts) > 1 else None
+  state, batch, replayed = mix_replay(state, ro.batch, cfg, mesh)
+  o = order_rows(batch, ro.batch.lengths.shape[0], cfg, mesh, width, rows, parts)
+  widths = parts or (o.batch.completions.shape[1],)
+  mb_parts = split_micro_batches(o.batch, widths, mesh, cfg.num_minibatches)
+  policy = _Policy(graphdef, cfg, state.base)
+  pi_old, ref_logp = proximal_and_reference_logp(state, mb_parts, policy, cfg)
+  loss = _Loss(policy, cfg, o.full_t, tuple(sorted(o.norms.items())))
+  params, opt_state, pi_old, metrics = optimise(state, mb_parts, pi_old, ref_logp, loss, cfg,
+                                                tx)
+  metrics = update_metrics(metrics, state, ro, o, widths, pi_old, replayed, cfg)
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                             policy_version=state.policy_version + cfg.num_updates *
                             cfg.num_minibatches)
@@ -923,75 +1012,9 @@ def score_update(state: TrainState, ro: Rollouts, rewards, *, graphdef, cfg: Ste
 
 def update_shape(ro: Rollouts, cfg: StepConfig, num_batch_devices: int = 1, *,
                  scored: bool = True) -> dict:
-  """The update's static shape for these rollouts: {"width", "rows", "parts"} for `update`
-  (host side: reads the rows' lengths and signal flags, so it waits for the rollout).
-  scored=False (host rewards: the advantages do not exist yet): the width, and with
-  `update_micro_rows` the micro-batches (from the lengths alone; no rows are left out)."""
-  b = ro.batch
-  if "ledger/longest_row" in ro.stats:  # from `score`: replicated scalars
-    longest = int(distributed.to_host(ro.stats["ledger/longest_row"]))
-    signal = int(distributed.to_host(ro.stats["ledger/signal_rows"]))
-  else:
-    longest = int(distributed.to_host(b.lengths).max())
-    signal = int((distributed.to_host(b.advantages) != 0).sum())
-  total = b.lengths.shape[0]
-  replay_rows = ring_max = 0
-  if cfg.replay is not None:  # replayed rows: at most the ring's longest (unknown: any width)
-    ring_max = (int(distributed.to_host(ro.stats["replay/ring_max_len"]))
-                if "replay/ring_max_len" in ro.stats else cfg.sampling.max_new_tokens)
-    longest = max(longest, ring_max)
-    replay_rows = cfg.replay.num_samples
-    signal += replay_rows
-    total += replay_rows
-  t = cfg.sampling.max_new_tokens
-  shape = {"width": update_width(longest, t, cfg.update_buckets)}
-  if not scored and cfg.update_micro_rows <= 0:
-    return shape
-  one_mb = cfg.num_minibatches == 1
-  if scored and cfg.drop_zero_adv_rows and one_mb and cfg.loss.kl_coef == 0:
-    shape["rows"] = update_rows(signal, total, num_batch_devices)
-  n = cfg.update_parts
-  rows = shape.get("rows", total)
-  micro = cfg.update_micro_rows > 0 and one_mb and rows > cfg.update_micro_rows
-  if micro:
-    n = micro_parts(rows, cfg.update_micro_rows, num_batch_devices, cfg.update_parts)
-  split = n > 1 and one_mb and rows % (n * num_batch_devices) == 0 and (
-      cfg.update_buckets > 1 or micro)
-  if rows < total or split:
-    lengths = distributed.to_host(b.lengths).astype(int)
-    if rows < total:  # as `update` selects: all signal rows, then the shortest zero-adv rows
-      sig = distributed.to_host(b.advantages) != 0
-      lengths = np.concatenate([lengths[sig], np.sort(lengths[~sig])])
-    # Replayed rows (first) are drawn inside the update: bounded by the ring's longest row.
-    chosen = np.sort(np.concatenate([np.full(replay_rows, ring_max, int), lengths])[:rows])
-    # Rows left out need no columns: the width of the rows computed on.
-    shape["width"] = update_width(int(chosen[-1]), t, cfg.update_buckets)
-    if split:
-      # Micro-batches take their widths from the update_parts length groups they fall in
-      # (each group: n / g parts at its longest row's width), so the compiled width tuples
-      # stay those of update_parts alone: per-part widths would give one program per
-      # non-increasing n-tuple of buckets (measured: a recompile most steps at n = 8).
-      g = cfg.update_parts if micro and n % cfg.update_parts == 0 else (1 if micro else n)
-      widths = tuple(w for w in part_widths(chosen[::-1], g, t, cfg.update_buckets)
-                     for _ in range(n // g))
-      # Equal widths: one micro-batch does the same work, unless accumulation was asked for.
-      if len(set(widths)) > 1 or micro:
-        shape["parts"] = widths
-  return shape
-
-
-def micro_parts(rows: int, micro_rows: int, num_batch_devices: int = 1, groups: int = 1) -> int:
-  """`update_micro_rows`' part count: the fewest equal parts of <= micro_rows rows that split
-  over the batch devices, a multiple of `groups` (update_parts) where one is (1: none does)."""
-  fits = [k for k in range(-(-rows // micro_rows), rows + 1) if rows % (k * num_batch_devices) == 0]
-  return next((k for k in fits if k % max(1, groups) == 0), fits[0] if fits else 1)
-
-
-def part_widths(lengths_desc, parts: int, max_new_tokens: int, buckets: int) -> tuple:
-  """Completion widths of `parts` equal micro-batches of rows sorted longest first."""
-  r = len(lengths_desc) // parts
-  return tuple(update_width(int(lengths_desc[i * r]), max_new_tokens, buckets)
-               for i in range(parts))
+  """`update`'s static shape for these rollouts as keyword arguments (host side, waits for
+  the rollout): `rlx.update_plan.plan(...).kwargs()`."""
+  return update_plan.plan(ro, cfg, num_batch_devices, scored=scored).kwargs()
 
 
 class _ByShape:

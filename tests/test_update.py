@@ -317,3 +317,30 @@ def _rollouts_like(lengths, adv):
       prompt_ids=jnp.zeros((B,), jnp.int32), difficulty=jnp.ones((B,), jnp.int32),
       policy_version=jnp.zeros((B,), jnp.int32))
   return train.Rollouts(batch, {})
+
+
+def test_row_order_is_one_rule_for_host_and_device():
+  # The host plans the update's rows (rlx.update_plan, numpy) with the same rule the update
+  # applies on the device (jax.numpy): replayed rows, fresh rows with signal as they come,
+  # then the shortest zero-advantage rows.
+  from rlx import update_plan
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    n = int(rng.integers(4, 40))
+    is_rep = np.arange(n) >= n - int(rng.integers(0, 4))
+    zero = (rng.random(n) < 0.6) & ~is_rep
+    lengths = rng.integers(0, 17, n)
+    rows = int(rng.integers(1, n + 1))
+    host = update_plan.row_order(is_rep, zero, lengths, 16, rows)
+    dev = update_plan.row_order(jnp.asarray(is_rep), jnp.asarray(zero), jnp.asarray(lengths),
+                                16, rows, xp=jnp)
+    np.testing.assert_array_equal(host, np.asarray(dev))
+    keep = set(host.tolist())
+    # Every replayed and every signal row comes before any zero-advantage row ...
+    kinds = [0 if is_rep[i] else (2 if zero[i] else 1) for i in host]
+    assert kinds == sorted(kinds)
+    # ... and the zero-advantage rows kept are the shortest ones.
+    left = [i for i in range(n) if i not in keep and zero[i]]
+    took = [i for i in host if zero[i]]
+    if left and took:
+      assert max(lengths[took]) <= min(lengths[left])

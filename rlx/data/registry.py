@@ -33,9 +33,12 @@ import contextlib
 import dataclasses
 import io
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from rlx.configs import ConfigError, TaskSpec
+from rlx.errors import ConfigError
+
+if TYPE_CHECKING:  # configs imports this module (task names are checked there)
+  from rlx.configs import TaskSpec
 
 Examples = list[dict]
 
