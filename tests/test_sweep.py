@@ -60,13 +60,20 @@ def test_a_shipped_experiment_is_found_by_name_from_any_directory(capsys, tmp_pa
 
 def test_one_rule_finds_configs_for_main_sweep_and_load_config(tmp_path, monkeypatch):
   import rlx
-  from rlx import config_file, main
+  import subprocess
+  import sys
+  from rlx import config_file
   monkeypatch.chdir(tmp_path)
   (tmp_path / "arith").mkdir()
   shipped = config_file.find("arith")
   assert shipped.endswith(os.path.join("experiments", "arith.py")) and os.path.isfile(shipped)
-  assert main.resolve_config(["rlx", "--config=arith:runlocal"])[1] == (
-      f"--config={shipped}:runlocal")
+  # rlx.main defines absl flags at import: asked in a process of its own, so that no flag of
+  # another module imported by this test worker (e.g. experiments/efficiency.py) collides.
+  out = subprocess.run(
+      [sys.executable, "-c", "from rlx import main; "
+       "print(main.resolve_config(['rlx', '--config=arith:runlocal'])[1])"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True).stdout
+  assert out.strip().splitlines()[-1] == f"--config={shipped}:runlocal"
   assert sweep.load_sweep("arith:runlocal")[1] == rlx.load_config("arith", "runlocal")
   (tmp_path / "mine").write_text("def get_config(arg=''):\n  return arg\n")  # a file wins
   assert config_file.find("mine") == "mine" and rlx.load_config("mine", "x") == "x"

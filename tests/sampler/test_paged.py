@@ -221,7 +221,7 @@ def test_eight_devices_match_one(model):
   # Parameters as the trainer holds them (rules place them on the mesh).
   params = jax.device_put(params, shd.param_shardings(params, mesh))
   eight, stats = run_paged((graphdef, params), prompts, lens, keys, HOT, pc, 2, mesh=mesh)
-  assert_same_rollout(one, eight, atol=1e-6)
+  assert_same_rollout(one, eight, atol=2e-6)  # f32: |logp| ~4, a few ulps
   assert np.asarray(stats.iterations).shape == (8,)  # one loop per shard
   assert eight.tokens.sharding.spec[0] == ("data", "fsdp")
 
