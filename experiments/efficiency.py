@@ -104,6 +104,9 @@ _TARGET = flags.DEFINE_float("target", 0.0, "Fixed target band accuracy (0: from
 _TARGET_GAIN = flags.DEFINE_float("target_gain", 0.0, "Target from the pilot as base + this "
                                    "share of its base-to-plateau gain (0: the plateau minus "
                                    "0.02; --task=chains defaults to 0.5).")
+_SHADOW = flags.DEFINE_integer("shadow_probe", -1, "H / G arms: uniform prompts probed for "
+                               "their true pass rate every 10 steps, to check the rule's "
+                               "exclusions (-1: 128 on chains, else 0 (needs exact match)).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -167,6 +170,12 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o["selection.mode"] = "history"
   if "G" in toks:
     o["selection.mode"] = "skip"
+  parsed = flags.FLAGS.is_parsed()  # (tests call this without parsing the command line)
+  shadow = _SHADOW.value if parsed else -1
+  if shadow < 0:
+    shadow = 128 if parsed and _TASK.value == "chains" else 0
+  if ("H" in toks or "G" in toks) and shadow:
+    o["selection.shadow_probe"] = shadow
   if "X" in toks:
     o["selection.mode"] = "oracle"
   for t in toks:
@@ -281,6 +290,9 @@ def run_one(config, workdir: str) -> dict:
     for k, v in line.items():
       if k.startswith("ledger/mixed_groups_d"):
         levels.setdefault(k[len("ledger/mixed_groups_d"):], []).append(v)
+    for k, v in line.items():
+      if k.startswith("select/shadow_"):
+        levels.setdefault(k, []).append(v)
     if "ledger/zero_adv_group_frac" in line:
       levels.setdefault("zero_var", []).append(line["ledger/zero_adv_group_frac"])
     if "eval/band_accuracy" in line:
@@ -485,6 +497,7 @@ def main(_):
   lines += more_metrics(results, ttt, target, budget)
   if chains:
     lines += chains_gates(results, ttt, target, eval_n=3 * 128)
+  lines += shadow_report(results, target)
   text = "\n".join(lines)
   print("\n" + text)
   print("\n(ratio = B0 tokens / arm tokens: >1 means the arm needs fewer generated tokens)")
@@ -606,6 +619,51 @@ def chains_gates(results: dict, ttt: dict, target: float, eval_n: int) -> list[s
     lines.append(f"| oracle (X) vs tuned B0, tokens to target | >= 3x, 90% CI low >= 2x | "
                  f"{point:.2f}x ({lo:.2f}-{hi:.2f}), {len(ttt[best['X']])} seeds |")
   return lines
+
+
+def shadow_share(run: dict, upto: int | None) -> dict | None:
+  """A run's shadow-probe sums (rlx.train.shadow_probe) over its first `upto` steps (None:
+  all): the chance of a mixed group among excluded, down-weighted and all probed prompts."""
+  ps = run.get("per_step", {})
+  if not ps.get("select/shadow_probed"):
+    return None
+  tot = {k: float(sum(ps.get(f"select/shadow_{k}", [])[:upto])) for k in (
+      "probed", "mixed_sum", "excluded", "excluded_mixed_sum", "down", "down_mixed_sum")}
+  if not tot["probed"]:
+    return None
+  div = lambda a, b: a / b if b else math.nan
+  return {"excluded_frac": div(tot["excluded"], tot["probed"]),
+          "excluded_mixed": div(tot["excluded_mixed_sum"], tot["excluded"]),
+          "down_mixed": div(tot["down_mixed_sum"], tot["down"]),
+          "all_mixed": div(tot["mixed_sum"], tot["probed"])}
+
+
+def shadow_report(results: dict, target: float) -> list[str]:
+  """The H / G arms' falsification check (written before their runs, issue 36): a rule that
+  excludes prompts is wrong if >= 30% of the prompts it excludes would have given a mixed
+  group. Sums up to each run's target step (the whole run where it never got there)."""
+  rows = []
+  for cell, rs in results.items():
+    shares = []
+    for r in rs:
+      st = at_target(r, target, "steps")
+      sh = shadow_share(r, int(st) if math.isfinite(st) else None)
+      if sh:
+        shares.append(sh)
+    if not shares:
+      continue
+    med = {k: float(np.nanmedian([s[k] for s in shares])) for k in shares[0]}
+    verdict = "falsified" if med["excluded_mixed"] >= 0.3 else "holds"
+    rows.append(f"| {cell} | {100 * med['excluded_frac']:.0f}% | "
+                f"{100 * med['excluded_mixed']:.1f}% | {100 * med['down_mixed']:.1f}% | "
+                f"{100 * med['all_mixed']:.1f}% | {verdict} |")
+  if not rows:
+    return []
+  return ["", "Shadow probe (true pass rates of uniformly drawn prompts every 10 steps, up to "
+          "the target; medians over seeds). Falsified if >= 30% of excluded prompts would "
+          "have given a mixed group:", "",
+          "| cell | excluded | mixed chance, excluded | mixed chance, down-weighted | "
+          "mixed chance, all probed | criterion |", "|---|---|---|---|---|---|"] + rows
 
 
 def plot(results, target, base_acc, path):

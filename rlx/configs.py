@@ -766,6 +766,12 @@ def defaults() -> mlc.ConfigDict:
   c.selection.ema = 0.5
   c.selection.floor = 0.05
   c.selection.history_cooldown = 50
+  c.selection.history_wrong_weight = 0.25
+  # history / skip: probe this many uniform prompts' true pass rates every shadow_every steps
+  # and log how often the rule's excluded ones would have given a mixed group (exact-match
+  # tasks; rlx.train.shadow_probe). 0: off.
+  c.selection.shadow_probe = 0
+  c.selection.shadow_every = 10
   c.selection.skip_keep_base = 0.25
   c.selection.dynamic_filter = False  # DAPO dynamic sampling
   c.selection.oversample = 2

@@ -135,6 +135,11 @@ class StepConfig:
   ledger_levels: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if self.selection.shadow_probe and self.verifier.kind != "exact_match":
+      raise ValueError(f"selection.shadow_probe={self.selection.shadow_probe} needs an "
+                       f"exact-match task (its probe is the oracle's: the probability of the "
+                       f"one correct completion); this task's verifier is "
+                       f"{self.verifier.kind!r}.")
     if self.selection.mode == "oracle" and self.verifier.kind != "exact_match":
       raise ValueError(f"selection.mode='oracle' needs an exact-match task (one correct "
                        f"completion, whose probability is the pass rate); this task's verifier "
@@ -247,6 +252,8 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
     ids, stats = oracle_choose(state, pool, k_choose, n, graphdef=graphdef, cfg=cfg)
   else:
     ids = selection.choose(state.selector, cfg.selection, k_choose, pool.size, n, state.step)
+    if cfg.selection.shadow_probe:
+      stats.update(shadow_probe(state, pool, k_choose, graphdef=graphdef, cfg=cfg))
   rows = jnp.repeat(ids, g)
   chosen = pool.take(rows)
   valid = None
@@ -286,6 +293,53 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   return state.replace(rng=jax.random.key_data(rng)), Rollouts(batch, stats, valid), rewards
 
 
+def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: StepConfig):
+  """f32[len(ids)]: each prompt's pass rate under the current policy on an exact-match task,
+  the probability of its one correct completion (the answer tokens + EOS) at the sampling
+  temperature, from one teacher-forced forward (top-k / top-p truncation, if set, ignored)."""
+  sub = pool.take(ids)
+  lp, mask = completion_logprobs(graphdef, policy_params(state, cfg), sub.prompts,
+                                 sub.prompt_lens, sub.answers, sub.answer_lens,
+                                 cfg.sampling.temperature or 1.0, chunk=cfg.logprob_chunk)
+  return jnp.exp(jnp.where(mask, lp, 0.0).sum(axis=1))
+
+
+def shadow_probe(state: TrainState, pool: PromptPool, k_choose, *, graphdef,
+                 cfg: StepConfig) -> dict:
+  """The falsification check of the history and skip rules (issue 36): would the prompts a
+  rule excludes have given mixed groups? Every `shadow_every` steps, `shadow_probe` prompts
+  drawn uniformly are probed for their true pass rate p (`true_pass_rate`); with this step's
+  weights (the skip rule's keep draws re-made from the key `selection.choose` used), the
+  stats sum 1 - p^G - (1-p)^G over the excluded candidates (weight 0) and, in history mode,
+  the down-weighted ones (all-wrong at their last visit), next to their counts and the
+  candidates' total. The probes are an instrument: ledger/shadow_probe_tokens, not in the
+  FLOPs column."""
+  sc = cfg.selection
+  c = min(sc.shadow_probe, pool.size)
+  w = selection.weights(state.selector, sc, state.step, jax.random.split(k_choose)[0])
+  cand = jax.random.choice(jax.random.fold_in(k_choose, 1), pool.size, (c,),
+                           replace=False).astype(jnp.int32)
+  due = state.step % sc.shadow_every == 0
+  mixed = jax.lax.cond(
+      due, lambda: selection.mixed_group_prob(
+          true_pass_rate(state, pool, cand, graphdef=graphdef, cfg=cfg), cfg.group_size),
+      lambda: jnp.zeros((c,), jnp.float32))
+  wc = w[cand]
+  excluded = (wc <= 0) & due
+  down = (wc > 0) & (wc < 1) & due
+  sub = pool.take(cand)
+  f32 = lambda x: x.astype(jnp.float32)
+  return {
+      "select/shadow_probed": f32(due) * c,
+      "select/shadow_mixed_sum": jnp.where(due, mixed, 0.0).sum(),
+      "select/shadow_excluded": f32(excluded.sum()),
+      "select/shadow_excluded_mixed_sum": jnp.where(excluded, mixed, 0.0).sum(),
+      "select/shadow_down": f32(down.sum()),
+      "select/shadow_down_mixed_sum": jnp.where(down, mixed, 0.0).sum(),
+      "ledger/shadow_probe_tokens": f32(due) * (sub.prompt_lens + sub.answer_lens).sum(),
+  }
+
+
 def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
                   cfg: StepConfig):
   """selection.mode="oracle": n prompts chosen by their true current pass rate.
@@ -303,10 +357,7 @@ def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
   else:
     cand = jnp.arange(pool.size, dtype=jnp.int32)
   sub = pool.take(cand)
-  lp, mask = completion_logprobs(graphdef, policy_params(state, cfg), sub.prompts,
-                                 sub.prompt_lens, sub.answers, sub.answer_lens,
-                                 cfg.sampling.temperature or 1.0, chunk=cfg.logprob_chunk)
-  p = jnp.exp(jnp.where(mask, lp, 0.0).sum(axis=1))
+  p = true_pass_rate(state, pool, cand, graphdef=graphdef, cfg=cfg)
   ids = selection.oracle_pick(p, cand, n, cfg.group_size, k_tie)
   picked = jnp.isin(cand, ids)
   stats = {

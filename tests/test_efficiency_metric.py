@@ -111,3 +111,26 @@ def test_band_moves_counts_changes_of_the_most_mixed_level():
   leaders, changes = efficiency.band_moves(per_step, 60, window=20)
   assert leaders == [2, 3, 4] and changes == 2
   assert efficiency.band_moves(per_step, 20, window=20) == ([2], 0)
+
+
+def test_shadow_share_sums_up_to_the_target_and_the_report_applies_the_30_percent_rule():
+  # Two probe steps before the target (step 20) and one after it that must not count.
+  per = {"select/shadow_probed": [128, 0, 128, 128],
+         "select/shadow_mixed_sum": [40.0, 0, 24.0, 90.0],
+         "select/shadow_excluded": [10, 0, 30, 50],
+         "select/shadow_excluded_mixed_sum": [1.0, 0, 3.0, 40.0],
+         "select/shadow_down": [0, 0, 4, 0],
+         "select/shadow_down_mixed_sum": [0.0, 0, 2.0, 0.0]}
+  run = {"curve": [(0, 0, 0.1), (3, 100, 0.3), (4, 200, 0.31)],
+         "extra": [(0, 0, 0), (3, 1.0, 10), (4, 2.0, 20)], "per_step": per}
+  sh = efficiency.shadow_share(run, 3)
+  assert sh["excluded_frac"] == pytest.approx(40 / 256)
+  assert sh["excluded_mixed"] == pytest.approx(4 / 40)
+  assert sh["down_mixed"] == pytest.approx(0.5)
+  assert sh["all_mixed"] == pytest.approx(64 / 256)
+  assert efficiency.shadow_share({"per_step": {}}, None) is None
+  lines = efficiency.shadow_report({"H": [run]}, target=0.3)
+  assert lines[-1].startswith("| H | 16% | 10.0% | 50.0% | 25.0% | holds |")
+  # Whole run (the target never reached): 44 of 90 excluded would have mixed: falsified.
+  lines = efficiency.shadow_report({"H": [run]}, target=0.9)
+  assert lines[-1].endswith("| falsified |")

@@ -22,7 +22,10 @@ Modes (`SelectionConfig.mode`):
            arXiv 2506.05316); `floor` keeps exploration alive for every prompt.
   history  SRPO's history resampling (Zhang et al. 2025, arXiv 2504.14286): prompts whose
            last visit was all-correct are dropped; here they return after
-           `history_cooldown` steps so that a forgotten skill is noticed.
+           `history_cooldown` steps so that a forgotten skill is noticed. SRPO keeps the
+           all-wrong ones (they may become solvable); a hopeless prompt rarely gives a mixed
+           group, so here they are kept at relative weight `history_wrong_weight` (1: SRPO's
+           rule as published).
   skip     GRESO's pre-rollout filtering (Li et al. 2025, arXiv 2506.02177): a prompt whose
            last z visits all had zero-variance groups is kept with probability
            `skip_keep_base ** z` (never 0, so it can come back), else skipped.
@@ -59,6 +62,7 @@ class SelectionConfig:
   ema: float = 0.5  # weight of the newest visit in the pass-rate average
   floor: float = 0.05  # band: minimum relative weight
   history_cooldown: int = 50  # history: steps until an all-correct prompt may return
+  history_wrong_weight: float = 0.25  # history: weight of prompts all-wrong at last visit
   skip_keep_base: float = 0.25  # skip: keep probability per zero-variance visit
   dynamic_filter: bool = False
   oversample: int = 2  # dynamic_filter: groups sampled per group kept
@@ -67,6 +71,11 @@ class SelectionConfig:
   # "spread" scores 4 E[p(1-p)] over the bucket's groups (SelectorState.group_pq).
   bucket_score: str = "mean"
   oracle_candidates: int = 256  # oracle: prompts probed per step (0: the whole pool)
+  # history / skip modes, a measuring instrument: every `shadow_every` steps, `shadow_probe`
+  # prompts drawn uniformly get their true pass rate probed (as the oracle does) and the
+  # chance of a mixed group among those the rule excludes is logged (select/shadow_*). 0: off.
+  shadow_probe: int = 0
+  shadow_every: int = 10
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -75,6 +84,9 @@ class SelectionConfig:
       raise ValueError(f"selection ema={self.ema}; expected 0 < ema <= 1.")
     if not 0 <= self.floor <= 1:
       raise ValueError(f"selection floor={self.floor}; expected 0 <= floor <= 1.")
+    if not 0 < self.history_wrong_weight <= 1:
+      raise ValueError(f"selection history_wrong_weight={self.history_wrong_weight}; expected "
+                       f"(0, 1].")
     if not 0 < self.skip_keep_base <= 1:
       raise ValueError(f"selection skip_keep_base={self.skip_keep_base}; expected (0, 1].")
     if self.oversample < 1:
@@ -82,6 +94,14 @@ class SelectionConfig:
     if self.oracle_candidates < 0:
       raise ValueError(f"selection oracle_candidates={self.oracle_candidates}; expected >= 0 "
                        f"(0: the whole pool).")
+    if self.shadow_probe < 0 or self.shadow_every < 1:
+      raise ValueError(f"selection shadow_probe={self.shadow_probe}, shadow_every="
+                       f"{self.shadow_every}; expected shadow_probe >= 0 (0: off) and "
+                       f"shadow_every >= 1.")
+    if self.shadow_probe and self.mode not in ("history", "skip"):
+      raise ValueError(f"selection shadow_probe={self.shadow_probe} with mode {self.mode!r}; "
+                       f"the shadow probe measures the prompts a history or skip rule "
+                       f"excludes (mode 'history' or 'skip').")
     if self.bucket_score not in BUCKET_SCORES:
       raise ValueError(f"selection bucket_score={self.bucket_score!r}; expected one of "
                        f"{BUCKET_SCORES}.")
@@ -135,7 +155,9 @@ def weights(sel: SelectorState, cfg: SelectionConfig, step, key):
     return cfg.floor + (1.0 - cfg.floor) * 4.0 * pq
   if cfg.mode == "history":
     dropped = sel.last_all_correct & (step - sel.last_visit_step < cfg.history_cooldown)
-    return jnp.where(dropped, 0.0, 1.0)
+    # A zero-variance last visit that was not all-correct was all-wrong.
+    all_wrong = (sel.visits > 0) & (sel.zero_var_streak > 0) & ~sel.last_all_correct
+    return jnp.where(dropped, 0.0, jnp.where(all_wrong, cfg.history_wrong_weight, 1.0))
   keep_prob = cfg.skip_keep_base ** sel.zero_var_streak.astype(jnp.float32)
   kept = jax.random.uniform(key, (n,)) < keep_prob
   return jnp.where(kept, 1.0, 0.0)

@@ -104,3 +104,74 @@ def test_oracle_needs_an_exact_match_task():
                      verifier=Verifier("final_answer", (5,)))
   with pytest.raises(ValueError, match="oracle_candidates"):
     selection.SelectionConfig(mode="oracle", oracle_candidates=-1)
+
+
+@pytest.mark.parametrize("step", [20, 21])
+def test_shadow_probe_sums_true_mixed_chances_of_the_excluded_prompts(step):
+  """History mode: prompts 0-3 all-correct at their last visit (excluded), 4-5 all-wrong
+  (down-weighted), the rest unvisited; the probe's sums against per-prompt reference pass
+  rates. Off its schedule (step 21, every 10) it probes nothing."""
+  rng = np.random.default_rng(2)
+  pool = _pool(rng, 12)
+  graphdef, params = init_params(CFG, 0)
+  sc = selection.SelectionConfig(mode="history", history_cooldown=100, shadow_probe=12,
+                                 shadow_every=10)
+  cfg = train.StepConfig(
+      prompts_per_step=3, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
+      loss=LossConfig(), sampling=SamplingParams(max_new_tokens=4), selection=sc,
+      verifier=Verifier("exact_match"))
+  sel = selection.SelectorState.init(12)
+  sel = selection.update(sel, sc, jnp.arange(6), jnp.asarray([[1.] * 4] * 4 + [[0.] * 4] * 2),
+                         step=15)
+  state = train.TrainState(params=params, opt_state=None, rng=None,
+                           step=jnp.asarray(step, jnp.int32),
+                           policy_version=jnp.zeros((), jnp.int32), selector=sel, replay=None)
+  stats = train.shadow_probe(state, pool, jax.random.key(4), graphdef=graphdef, cfg=cfg)
+  p = np.asarray([_reference_pass_rate(
+      graphdef, params, np.asarray(pool.prompts[i, 5 - int(pool.prompt_lens[i]):]),
+      np.asarray(pool.answers[i, :int(pool.answer_lens[i])]), 1.0) for i in range(12)])
+  mixed = 1 - p ** 4 - (1 - p) ** 4
+  if step % 10:
+    assert all(float(v) == 0.0 for v in stats.values())
+    return
+  assert float(stats["select/shadow_probed"]) == 12
+  assert float(stats["select/shadow_excluded"]) == 4 and float(stats["select/shadow_down"]) == 2
+  np.testing.assert_allclose(float(stats["select/shadow_excluded_mixed_sum"]), mixed[:4].sum(),
+                             rtol=2e-3, atol=1e-6)
+  np.testing.assert_allclose(float(stats["select/shadow_down_mixed_sum"]), mixed[4:6].sum(),
+                             rtol=2e-3, atol=1e-6)
+  np.testing.assert_allclose(float(stats["select/shadow_mixed_sum"]), mixed.sum(), rtol=2e-3)
+  assert float(stats["ledger/shadow_probe_tokens"]) == float(
+      np.sum(pool.prompt_lens) + np.sum(pool.answer_lens))
+
+
+def test_shadow_probe_sees_the_skip_rules_own_keep_draws():
+  """Skip mode: the excluded count equals the prompts selection.choose's weights dropped with
+  the same key (streaks 0-3 over a 40-prompt pool, every one probed)."""
+  pool = _pool(np.random.default_rng(3), 40)
+  graphdef, params = init_params(CFG, 0)
+  sc = selection.SelectionConfig(mode="skip", skip_keep_base=0.5, shadow_probe=40)
+  cfg = train.StepConfig(
+      prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
+      loss=LossConfig(), sampling=SamplingParams(max_new_tokens=4), selection=sc,
+      verifier=Verifier("exact_match"))
+  sel = selection.SelectorState.init(40).replace(
+      zero_var_streak=jnp.asarray(np.arange(40) % 4, jnp.int32))
+  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
+                           policy_version=jnp.zeros((), jnp.int32), selector=sel, replay=None)
+  key = jax.random.key(7)
+  stats = train.shadow_probe(state, pool, key, graphdef=graphdef, cfg=cfg)
+  w = np.asarray(selection.weights(sel, sc, 0, jax.random.split(key)[0]))
+  assert float(stats["select/shadow_excluded"]) == float((w == 0).sum()) > 0
+  assert float(stats["select/shadow_down"]) == 0
+
+
+def test_shadow_probe_needs_history_or_skip_and_an_exact_match_task():
+  with pytest.raises(ValueError, match="shadow_probe=8 with mode 'band'"):
+    selection.SelectionConfig(mode="band", shadow_probe=8)
+  with pytest.raises(ValueError, match="shadow_probe=8 needs an exact-match task"):
+    train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
+                     num_minibatches=1, loss=LossConfig(),
+                     sampling=SamplingParams(max_new_tokens=4),
+                     selection=selection.SelectionConfig(mode="skip", shadow_probe=8),
+                     verifier=Verifier("final_answer", (5,)))

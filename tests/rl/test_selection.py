@@ -48,6 +48,36 @@ def test_history_drops_all_correct_prompts_until_cooldown():
     assert 0 not in ids and len(set(ids)) == 2
 
 
+def _history_weights_numpy(visits, cooldown, wrong_weight, num_prompts, step):
+  """SRPO-style history weights from a list of (step, prompt id, rewards) visits, in numpy."""
+  w = np.ones(num_prompts)
+  last = {}
+  for s, i, r in visits:
+    last[i] = (s, np.asarray(r))
+  for i, (s, r) in last.items():
+    if np.all(r >= 1) and step - s < cooldown:
+      w[i] = 0.0
+    elif np.all(r <= 0):
+      w[i] = wrong_weight
+  return w
+
+
+def test_history_weights_match_a_numpy_version_over_random_visits():
+  cfg = SelectionConfig(mode="history", history_cooldown=7, history_wrong_weight=0.3)
+  rng = np.random.default_rng(0)
+  n, sel, visits = 12, SelectorState.init(12), []
+  for step in range(20):
+    ids = rng.choice(n, 3, replace=False)
+    # Groups of 4 drawn from a few pass rates: all-correct, all-wrong and mixed all occur.
+    rewards = (rng.random((3, 4)) < rng.choice([0.0, 0.5, 1.0], (3, 1))).astype(np.float32)
+    sel = selection.update(sel, cfg, jnp.asarray(ids), jnp.asarray(rewards), step=step)
+    visits += [(step, int(i), r) for i, r in zip(ids, rewards)]
+    np.testing.assert_allclose(selection.weights(sel, cfg, step + 1, None),
+                               _history_weights_numpy(visits, 7, 0.3, n, step + 1))
+  final = np.asarray(selection.weights(sel, cfg, 20, None), np.float64)
+  assert {0.0, 0.3, 1.0} <= set(np.round(final, 6).tolist())
+
+
 def test_skip_keep_probability_decays_with_zero_variance_streak():
   cfg = SelectionConfig(mode="skip", skip_keep_base=0.5)
   sel = SelectorState.init(4000).replace(
@@ -86,6 +116,7 @@ def test_dynamic_filter_order_and_histogram():
     ({"mode": "greedy"}, "selection mode 'greedy'"),
     ({"ema": 0.0}, "ema=0.0"),
     ({"skip_keep_base": 0.0}, "skip_keep_base=0.0"),
+    ({"history_wrong_weight": 0.0}, "history_wrong_weight=0.0"),
 ])
 def test_bad_selection_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
