@@ -454,9 +454,169 @@ def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
           f"caches already written are kept). Rerun the same command to resume.") from None
 
 
-def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
-         stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
-  host_reward = host_reward_fn(spec)  # an unknown reward fails before any work
+# ------------------------------------------------------------------------------ step modes
+#
+# Each way of running one RL step sits behind the same small interface, so the host loop
+# below never asks which one it runs:
+#
+#   restore(ckpt, step, abstract, record, log) -> state   the checkpoint's state (its layout)
+#   start(state, start) -> state      ready to train from step `start` (overlap: fill the pipe)
+#   step(state, step) -> (state, m)   one step; m: host floats with time/generate_s,
+#                                     time/update_s and time/step_s
+#   eval_params(state)                the params that evaluation decodes with
+#   to_save(state)                    what a checkpoint holds
+#   close()                           ends what the mode started (the host reward's worker)
+#   eval_mesh, eval_reward            where evaluation decodes, its host reward (or None)
+
+
+class _SyncStep:
+  """Sync mode with the task's jnp verifier: the rollout half, then the update half (timed
+  apart; the host waits between them only for the update's static shape)."""
+
+  eval_reward = None
+
+  def __init__(self, setup: Setup):
+    self.setup, self.fns = setup, setup.fns
+    self.eval_mesh = setup.mesh
+    self.pool = None
+
+  def restore(self, ckpt, step, abstract, record, log):
+    return _restore(ckpt, step, abstract, self.fns.state_sharding, self.setup.exp.model_cfg,
+                    record, log)
+
+  def start(self, state, start):
+    del start
+    self.pool = shd.put(self.setup.exp.train_pool, self.fns.pool_sharding)
+    return state
+
+  def _update_shape(self, batch, **kw) -> dict:
+    return train.update_shape(batch, self.setup.step_cfg, shd.batch_size_of(self.setup.mesh),
+                              **kw)
+
+  def step(self, state, step):
+    t0 = time.perf_counter()
+    state, batch = self.fns.rollout(state, self.pool)
+    shape = self._update_shape(batch)  # waits for the rollout
+    _fault("kill_after_rollout", step + 1)
+    t1 = time.perf_counter()
+    state, m = self.fns.update(state, batch, **shape)
+    return state, _timed(jax.device_get(m), t1 - t0, time.perf_counter() - t1)
+
+  def eval_params(self, state):
+    return train.policy_params(state, self.setup.step_cfg)
+
+  def to_save(self, state):
+    return state
+
+  def close(self):
+    pass
+
+
+class _FusedStep(_SyncStep):
+  """config.fused_step: rollout and update as one jitted program (no time split)."""
+
+  def step(self, state, step):
+    t0 = time.perf_counter()
+    state, m = self.fns.train_step(state, self.pool)
+    m = jax.device_get(m)
+    return state, _timed(m, time.perf_counter() - t0, 0.0)
+
+
+class _HostRewardStep(_SyncStep):
+  """Sync mode with a Python reward (config.task.reward): generate on the devices, decode and
+  score on the host in a worker process (forked on first use) that a timeout or a signal can
+  always end, even while the reward holds the GIL in C code, then score + update."""
+
+  def __init__(self, setup: Setup, host_reward, stop: _SignalFlag,
+               preempt: Callable[[int, Any], None]):
+    super().__init__(setup)
+    self.stop, self.preempt = stop, preempt
+    self.timeout_s = setup.spec.task.reward_timeout_s
+    self.worker = reward_worker.RewardWorker(host_reward, name=repr(setup.spec.task.reward))
+
+  def eval_reward(self, *args, **kwargs):  # a signal while it runs abandons the evaluation
+    values = self.worker.call(args, kwargs, timeout_s=self.timeout_s, stop=self.stop)
+    if values is None:
+      raise _Stop(self.stop.signum)
+    return values
+
+  def step(self, state, step):
+    t0 = time.perf_counter()
+    rng_host = np.asarray(jax.device_get(state.rng))  # `generate` changes only the RNG
+    state, batch, _ = self.fns.generate(state, self.pool)
+    args, kwargs = _reward_args(batch.batch, self.setup.exp)
+    values = self.worker.call(args, kwargs, timeout_s=self.timeout_s, stop=self.stop)
+    if values is None:  # SIGTERM while the reward ran: undo the step, save the last finished
+      state = state.replace(rng=shd.put(rng_host, self.fns.state_sharding.rng))
+      self.preempt(step, state)
+    rewards = shd.put(np.asarray(values, np.float32), shd.batch_sharding(self.setup.mesh, 1))
+    _fault("kill_after_rollout", step + 1)
+    t1 = time.perf_counter()
+    state, m = self.fns.score_update(state, batch, rewards,
+                                     **self._update_shape(batch, scored=False))
+    return state, _timed(jax.device_get(m), t1 - t0, time.perf_counter() - t1)
+
+  def close(self):
+    self.worker.close()
+
+
+class _OverlapStep:
+  """config.pipeline.mode='overlap': `pipeline.Overlap` runs the steps (generation on its own
+  sub-mesh, k steps ahead); evaluation decodes there with the generator's copy of the policy,
+  and a checkpoint holds the batches in flight."""
+
+  eval_reward = None
+
+  def __init__(self, setup: Setup, abstract):
+    self.overlap = pipeline.Overlap(
+        setup.exp.graphdef, setup.step_cfg, setup.fns, gen_mesh=setup.gen_mesh,
+        learn_mesh=setup.mesh, pool=setup.exp.train_pool, abstract_state=abstract,
+        max_staleness=setup.spec.pipeline.max_staleness, total_steps=setup.spec.total_steps)
+    self.model_cfg = setup.exp.model_cfg
+    self.eval_mesh = setup.gen_mesh
+    self.restored = None
+
+  def restore(self, ckpt, step, abstract, record, log):
+    self.restored = _restore(ckpt, step, *self.overlap.abstract_checkpoint(abstract, int(step)),
+                             self.model_cfg, record, log)
+    return self.restored.learner
+
+  def start(self, state, start):
+    return self.overlap.start(state, start, self.restored)
+
+  def step(self, state, step):
+    return self.overlap.step(state, step,
+                             after_rollout=lambda: _fault("kill_after_rollout", step + 1))
+
+  def eval_params(self, state):
+    del state
+    return self.overlap.gen_params
+
+  def to_save(self, state):
+    return self.overlap.checkpoint(state)
+
+  def close(self):
+    pass
+
+
+def _timed(m: dict, t_gen: float, t_upd: float) -> dict[str, float]:
+  """A sync step's metrics as host floats with its timings (overlap times its own)."""
+  m = {k: float(v) for k, v in m.items()}
+  m.update({"time/generate_s": t_gen, "time/update_s": t_upd, "time/step_s": t_gen + t_upd})
+  return m
+
+
+def _step_mode(setup: Setup, host_reward, stop: _SignalFlag, preempt, abstract):
+  if host_reward is not None:
+    return _HostRewardStep(setup, host_reward, stop, preempt)
+  if setup.spec.pipeline.mode == "overlap":
+    return _OverlapStep(setup, abstract)
+  return _FusedStep(setup) if setup.spec.fused_step else _SyncStep(setup)
+
+
+def _checked_host_reward(spec: configs.RunSpec):
+  """`host_reward_fn(spec)`, refused with the step modes that need the jnp verifier."""
+  host_reward = host_reward_fn(spec)
   if host_reward is not None and spec.adaptive is not None:
     raise configs.ConfigError(
         f"config.adaptive.first={spec.adaptive.first} with the host Python reward "
@@ -467,217 +627,236 @@ def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devic
         f"config.pipeline.mode='overlap' with the host Python reward config.task.reward="
         f"{spec.task.reward!r}: overlap mode scores rollouts with the task's jnp verifier on "
         f"the devices; use pipeline.mode='sync' for host rewards.")
+  return host_reward
+
+
+# ------------------------------------------------------------------------------ the host loop
+
+
+def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
+         stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
+  host_reward = _checked_host_reward(spec)  # an unknown reward fails before any work
   setup = build(spec, workdir, log=log, devices=devices, show_progress=show_progress,
                 check_stop=stop.check)
   stop.check()
-  exp, mesh, fns, state = setup.exp, setup.mesh, setup.fns, setup.state
-  tok = exp.tokenizer
-  abstract = jax.eval_shape(lambda: state)
-
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=spec.checkpoint.keep)
-  saver = _Saver(ckpt)
-  meta = {"model": exp.model_cfg.to_dict(), "config": spec.record}
-  start = 0
-  latest = ckpt.latest_step()
-  overlap = None
-  if spec.pipeline.mode == "overlap":
-    overlap = pipeline.Overlap(
-        exp.graphdef, setup.step_cfg, fns, gen_mesh=setup.gen_mesh, learn_mesh=mesh,
-        pool=exp.train_pool, abstract_state=abstract,
-        max_staleness=spec.pipeline.max_staleness, total_steps=spec.total_steps)
-  restored = None
-  if latest is not None:
-    if overlap is not None:
-      restored = _restore(ckpt, latest, *overlap.abstract_checkpoint(abstract, int(latest)),
-                          exp.model_cfg, spec.record, log)
-      state = restored.learner
-    else:
-      state = _restore(ckpt, latest, abstract, fns.state_sharding, exp.model_cfg,
-                       spec.record, log)
-    start = int(latest)
-    log(f"[rlx] resumed from {ckpt.directory}/{latest}")
-  if overlap is not None:  # the first batches go to the generator before anything else
-    state = overlap.start(state, start, restored)
-  # What evaluation decodes with (overlap: the generator's copy of the latest policy).
-  eval_params = (lambda s: overlap.gen_params) if overlap is not None else (
-      lambda s: train.policy_params(s, setup.step_cfg))
-  to_save = (lambda s: overlap.checkpoint(s)) if overlap is not None else (lambda s: s)
-
-  greedy = spec.sampler.sampling(eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                 stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
-                                 greedy=True)
-  # Host rewards run in a worker process (forked on first use) that a timeout or a signal
-  # can always end, even while the reward holds the GIL in C code.
-  worker = eval_reward = None
-  if host_reward is not None:
-    worker = reward_worker.RewardWorker(host_reward, name=repr(spec.task.reward))
-
-    def eval_reward(*args, **kwargs):  # a signal while it runs abandons the evaluation
-      values = worker.call(args, kwargs, timeout_s=spec.task.reward_timeout_s, stop=stop)
-      if values is None:
-        raise _Stop(stop.signum)
-      return values
-  evaluator = evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
-                                 spec.sampler.eval_batch_size,
-                                 setup.gen_mesh if overlap is not None else mesh,
-                                 verifier=setup.step_cfg.verifier, band=spec.task.band,
-                                 host_reward=eval_reward,
-                                 host=exp.eval_host, tokenizer=tok,
-                                 show_progress=show_progress, check_stop=stop.check,
-                                 sampler_impl=setup.step_cfg.sampler_impl,
-                                 paged=setup.step_cfg.paged)
-  band = spec.task.band
-  base_eval_path = os.path.join(workdir, "eval_base.json")
-  writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
-                                   resume_step=start if latest is not None else None,
-                                   enabled=main_process)
-  tb = None
-  bar = None
+  loop = _Loop(setup, workdir, host_reward, log=log, show_progress=show_progress, stop=stop,
+               main_process=main_process)  # restores the last checkpoint, starts the mode
   try:
-    tb = tensorboard.SummaryWriter(os.path.join(workdir, "tb"), purge_step=start or None) if (
-        main_process) else None
-    if latest is None or not os.path.exists(base_eval_path):
-      base_eval = evaluator(eval_params(state))
-      base_eval["eval/band_accuracy"] = band_accuracy(base_eval, band)
-      if main_process:
-        ckpt_lib.save_json(base_eval_path, base_eval)
-      if latest is None:
-        writer.write(0, base_eval)
-        if tb:
-          tb.scalars(0, base_eval)
-    else:
-      base_eval = ckpt_lib.read_json(base_eval_path)
-    log("[rlx] before RL: " + _fmt_eval(base_eval, band))
-    # The run's record, written once the workdir is known to accept this config.
-    if main_process:
-      ckpt_lib.save_json(os.path.join(workdir, "config.json"), spec.record)
-
-    # Overlap: the generator holds the pool on its own sub-mesh (pipeline.Overlap).
-    pool = shd.put(exp.train_pool, fns.pool_sharding) if overlap is None else None
-    max_skips = spec.guard.max_consecutive_skips
-    updates_per_step = setup.step_cfg.num_updates * setup.step_cfg.num_minibatches
-    bar = metrics_lib.progress(spec.total_steps, initial=start, disable=not show_progress)
-    last_eval = base_eval if start == 0 else {}
-    gen_times, upd_times, tok_rates = [], [], []
-    skipped_in_a_row = 0
-    done = start
-    stop.check()
-    stop.deferred = True
-    for step in range(start, spec.total_steps):
-      t0 = time.perf_counter()
-      if host_reward is not None:
-        rng_before = state.rng  # `generate` changes only the RNG: the step can be undone
-        rng_host = np.asarray(jax.device_get(rng_before))
-        state, batch, _ = fns.generate(state, pool)
-        args, kwargs = _reward_args(batch.batch, exp)
-        values = worker.call(args, kwargs, timeout_s=spec.task.reward_timeout_s, stop=stop)
-        if values is None:  # SIGTERM while the reward ran: save the last finished step
-          state = state.replace(rng=shd.put(rng_host, fns.state_sharding.rng))
-          _preempt(saver, done, state, meta, stop)
-        rewards = shd.put(np.asarray(values, np.float32), shd.batch_sharding(mesh, 1))
-        _fault("kill_after_rollout", step + 1)
-        t1 = time.perf_counter()
-        state, m = fns.score_update(state, batch, rewards, **train.update_shape(
-            batch, setup.step_cfg, shd.batch_size_of(mesh), scored=False))
-        m = jax.device_get(m)
-        t_gen, t_upd = t1 - t0, time.perf_counter() - t1
-      elif overlap is not None:
-        state, m = overlap.step(
-            state, step, after_rollout=lambda: _fault("kill_after_rollout", step + 1))
-        t_gen, t_upd = m["time/generate_s"], m["time/update_s"]
-      elif spec.fused_step:
-        state, m = fns.train_step(state, pool)
-        m = jax.device_get(m)
-        t_gen, t_upd = time.perf_counter() - t0, 0.0
-      else:
-        state, batch = fns.rollout(state, pool)
-        shape = train.update_shape(batch, setup.step_cfg, shd.batch_size_of(mesh))  # waits
-        _fault("kill_after_rollout", step + 1)
-        t1 = time.perf_counter()
-        state, m = fns.update(state, batch, **shape)
-        m = jax.device_get(m)
-        t_gen, t_upd = t1 - t0, time.perf_counter() - t1
-      m = {k: float(v) for k, v in m.items()}
-      if m.get("guard/signal_rows_left_out", 0) > 0:  # a bug, never a data problem
-        raise RuntimeError(f"step {step + 1}: the update left out "
-                           f"{int(m['guard/signal_rows_left_out'])} rows with a learning signal.")
-      if m.get("guard/rows_over_width", 0) > 0:  # a bug, never a data problem
-        raise RuntimeError(f"step {step + 1}: the update cut {int(m['guard/rows_over_width'])} "
-                           f"rows shorter than their length.")
-      _check_rewards(m, exp, spec)
-      m["time/generate_s"] = t_gen
-      m["time/update_s"] = t_upd
-      if overlap is None:  # overlap: the step's wall time, with both halves at once
-        m["time/step_s"] = t_gen + t_upd
-      m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
-      if step > start:  # the first step of a process includes compilation
-        gen_times.append(t_gen)
-        upd_times.append(t_upd)
-        tok_rates.append(m["ledger/generated_tokens_per_s"])
-      done = step + 1
-      skipped_in_a_row = (skipped_in_a_row + 1
-                          if m["guard/skipped_updates"] >= updates_per_step else 0)
-      if done % spec.eval_every == 0 or done == spec.total_steps:
-        try:
-          last_eval = evaluator(eval_params(state))
-          last_eval["eval/band_accuracy"] = band_accuracy(last_eval, band)
-          m.update(last_eval)
-        except _Stop:  # a signal while the host reward scored it: save the step without it
-          pass
-      writer.write(done, m)
-      if tb:
-        tb.scalars(done, m)
-      bar.update(1)
-      bar.set_postfix({**metrics_lib.postfix(m), **(
-          {"eval": f"{last_eval['eval/band_accuracy']:.3f}"} if last_eval else {})})
-      if skipped_in_a_row >= max_skips:
-        raise NumericError(
-            f"{skipped_in_a_row} consecutive steps (up to step {done}) had a non-finite loss "
-            f"or gradient in every update and were skipped (config.guard."
-            f"max_consecutive_skips={max_skips}). Lower config.optim.lr, check the rewards, "
-            f"or resume from the last checkpoint in {ckpt.directory}.")
-      if stop.signum is not None:
-        _preempt(saver, done, to_save(state), meta, stop)
-      if done % spec.checkpoint.every == 0 or done == spec.total_steps:
-        saver.save(done, to_save(state), meta)
-        _fault("kill_in_save", done)
+    loop.open_logs()
+    loop.evaluate_base()
+    loop.save_record()
+    loop.begin_steps()  # from here a signal stops the loop at the next step boundary
+    for step in range(loop.start, spec.total_steps):
+      m = loop.step(step)  # the step mode's halves, the guards, the timings
+      loop.evaluate_if_due(m)
+      loop.log_step(m)
+      loop.check_skips(m)
+      loop.checkpoint_if_due()
     stop.deferred = False
-    saver.close()
+    loop.saver.close()
   except BaseException:
     stop.deferred = False
-    # Close quietly: the error being raised is the one to report (a full disk also fails the
-    # metric writers, whose errors would otherwise replace it).
-    for closer in (getattr(worker, "close", None), getattr(bar, "close", None), writer.close,
-                   getattr(tb, "close", None), ckpt.close):
+    loop.close_quietly()
+    raise
+  loop.close_logs()
+  return loop.closing_lines()
+
+
+class _Loop:
+  """One run's host side between `build` and its closing lines: the step mode, checkpoints,
+  evaluation, the metric writers, the progress bar and the running tallies; one method per
+  phase of `_run`."""
+
+  def __init__(self, setup: Setup, workdir: str, host_reward, *, log, show_progress: bool,
+               stop: _SignalFlag, main_process: bool):
+    spec, exp = setup.spec, setup.exp
+    self.spec, self.setup, self.workdir, self.log = spec, setup, workdir, log
+    self.show_progress, self.stop, self.main_process = show_progress, stop, main_process
+    self.band = spec.task.band
+    abstract = jax.eval_shape(lambda: setup.state)
+    self.ckpt = ckpt_lib.Checkpointer(workdir, keep=spec.checkpoint.keep)
+    self.saver = _Saver(self.ckpt)
+    self.meta = {"model": exp.model_cfg.to_dict(), "config": spec.record}
+    self.mode = _step_mode(setup, host_reward, stop, self.preempt, abstract)
+    self.state, self.start, self.resumed = self._restore(abstract)
+    # Overlap: the first batches go to the generator before anything else.
+    self.state = self.mode.start(self.state, self.start)
+    self.evaluator = self._evaluator()
+    self.writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
+                                          resume_step=self.start if self.resumed else None,
+                                          enabled=main_process)
+    self.tb = self.bar = None
+    self.base_eval: dict[str, float] = {}
+    self.last_eval: dict[str, float] = {}
+    self.gen_times, self.upd_times, self.tok_rates = [], [], []
+    self.skipped_in_a_row = 0
+    self.done = self.start
+    self.updates_per_step = setup.step_cfg.num_updates * setup.step_cfg.num_minibatches
+
+  # ---------------------------------------------------------------- setup
+
+  def _restore(self, abstract):
+    """(state, first step, resumed): the last checkpoint's state, or the built one."""
+    latest = self.ckpt.latest_step()
+    if latest is None:
+      return self.setup.state, 0, False
+    state = self.mode.restore(self.ckpt, latest, abstract, self.spec.record, self.log)
+    self.log(f"[rlx] resumed from {self.ckpt.directory}/{latest}")
+    return state, int(latest), True
+
+  def _evaluator(self) -> evaluate.Evaluator:
+    exp, cfg, tok = self.setup.exp, self.setup.step_cfg, self.setup.exp.tokenizer
+    greedy = self.spec.sampler.sampling(eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                        stop_ids=tuple(getattr(tok, "stop_ids", ()) or ()),
+                                        greedy=True)
+    return evaluate.Evaluator(exp.graphdef, exp.eval_pool, greedy,
+                              self.spec.sampler.eval_batch_size, self.mode.eval_mesh,
+                              verifier=cfg.verifier, band=self.band,
+                              host_reward=self.mode.eval_reward, host=exp.eval_host,
+                              tokenizer=tok, show_progress=self.show_progress,
+                              check_stop=self.stop.check, sampler_impl=cfg.sampler_impl,
+                              paged=cfg.paged)
+
+  def open_logs(self) -> None:
+    if self.main_process:
+      self.tb = tensorboard.SummaryWriter(os.path.join(self.workdir, "tb"),
+                                          purge_step=self.start or None)
+
+  def evaluate_base(self) -> None:
+    """The base policy's evaluation: run once (and kept in eval_base.json), read on resume."""
+    path = os.path.join(self.workdir, "eval_base.json")
+    if not self.resumed or not os.path.exists(path):
+      self.base_eval = self._evaluate()
+      if self.main_process:
+        ckpt_lib.save_json(path, self.base_eval)
+      if not self.resumed:
+        self.writer.write(0, self.base_eval)
+        if self.tb:
+          self.tb.scalars(0, self.base_eval)
+    else:
+      self.base_eval = ckpt_lib.read_json(path)
+    self.log("[rlx] before RL: " + _fmt_eval(self.base_eval, self.band))
+    self.last_eval = self.base_eval if self.start == 0 else {}
+
+  def save_record(self) -> None:
+    """The run's record, written once the workdir is known to accept this config."""
+    if self.main_process:
+      ckpt_lib.save_json(os.path.join(self.workdir, "config.json"), self.spec.record)
+
+  def begin_steps(self) -> None:
+    """The progress bar; then a signal no longer stops at once (`_SignalFlag.deferred`)."""
+    self.bar = metrics_lib.progress(self.spec.total_steps, initial=self.start,
+                                    disable=not self.show_progress)
+    self.stop.check()
+    self.stop.deferred = True
+
+  # ---------------------------------------------------------------- one step
+
+  def step(self, step: int) -> dict[str, float]:
+    """Runs the step; its metrics, checked, with the generation rate and the tallies."""
+    self.state, m = self.mode.step(self.state, step)
+    if m.get("guard/signal_rows_left_out", 0) > 0:  # a bug, never a data problem
+      raise RuntimeError(f"step {step + 1}: the update left out "
+                         f"{int(m['guard/signal_rows_left_out'])} rows with a learning signal.")
+    if m.get("guard/rows_over_width", 0) > 0:  # a bug, never a data problem
+      raise RuntimeError(f"step {step + 1}: the update cut {int(m['guard/rows_over_width'])} "
+                         f"rows shorter than their length.")
+    _check_rewards(m, self.setup.exp, self.spec)
+    t_gen = m["time/generate_s"]
+    m["ledger/generated_tokens_per_s"] = m["ledger/tokens_generated"] / max(t_gen, 1e-9)
+    if step > self.start:  # the first step of a process includes compilation
+      self.gen_times.append(t_gen)
+      self.upd_times.append(m["time/update_s"])
+      self.tok_rates.append(m["ledger/generated_tokens_per_s"])
+    self.done = step + 1
+    return m
+
+  def _evaluate(self) -> dict[str, float]:
+    m = self.evaluator(self.mode.eval_params(self.state))
+    m["eval/band_accuracy"] = band_accuracy(m, self.band)
+    return m
+
+  def evaluate_if_due(self, m: dict[str, float]) -> None:
+    if self.done % self.spec.eval_every == 0 or self.done == self.spec.total_steps:
+      try:
+        self.last_eval = self._evaluate()
+        m.update(self.last_eval)
+      except _Stop:  # a signal while the host reward scored it: save the step without it
+        pass
+
+  def log_step(self, m: dict[str, float]) -> None:
+    self.writer.write(self.done, m)
+    if self.tb:
+      self.tb.scalars(self.done, m)
+    self.bar.update(1)
+    self.bar.set_postfix({**metrics_lib.postfix(m), **(
+        {"eval": f"{self.last_eval['eval/band_accuracy']:.3f}"} if self.last_eval else {})})
+
+  def check_skips(self, m: dict[str, float]) -> None:
+    """Stops a run whose every update has been skipped (non-finite) K steps in a row."""
+    self.skipped_in_a_row = (self.skipped_in_a_row + 1
+                             if m["guard/skipped_updates"] >= self.updates_per_step else 0)
+    max_skips = self.spec.guard.max_consecutive_skips
+    if self.skipped_in_a_row >= max_skips:
+      raise NumericError(
+          f"{self.skipped_in_a_row} consecutive steps (up to step {self.done}) had a non-finite "
+          f"loss or gradient in every update and were skipped (config.guard."
+          f"max_consecutive_skips={max_skips}). Lower config.optim.lr, check the rewards, "
+          f"or resume from the last checkpoint in {self.ckpt.directory}.")
+
+  def preempt(self, done: int, state) -> None:
+    _preempt(self.saver, done, state, self.meta, self.stop)
+
+  def checkpoint_if_due(self) -> None:
+    """Saves the step when due; after a signal, saves it and raises Preempted."""
+    if self.stop.signum is not None:
+      self.preempt(self.done, self.mode.to_save(self.state))
+    if self.done % self.spec.checkpoint.every == 0 or self.done == self.spec.total_steps:
+      self.saver.save(self.done, self.mode.to_save(self.state), self.meta)
+      _fault("kill_in_save", self.done)
+
+  # ---------------------------------------------------------------- the end
+
+  def close_quietly(self) -> None:
+    """After an error: the error being raised is the one to report (a full disk also fails
+    the metric writers, whose errors would otherwise replace it)."""
+    for closer in (self.mode.close, getattr(self.bar, "close", None), self.writer.close,
+                   getattr(self.tb, "close", None), self.ckpt.close):
       if closer is not None:
         with contextlib.suppress(Exception):
           closer()
-    raise
-  for closer in (bar.close, writer.close, getattr(tb, "close", None)):
-    if closer is not None:
-      closer()
 
-  try:
-    final = last_eval if last_eval else evaluator(eval_params(state))
-  finally:
-    if worker is not None:
-      worker.close()
-  if "eval/band_accuracy" not in final:
-    final["eval/band_accuracy"] = band_accuracy(final, band)
-  log("[rlx] after RL:  " + _fmt_eval(final, band))
-  gain = 100 * (final["eval/band_accuracy"] - base_eval["eval/band_accuracy"])
-  log(f"[rlx] held-out greedy accuracy on the band (levels {band}): "
-      f"{100 * base_eval['eval/band_accuracy']:.1f}% -> {100 * final['eval/band_accuracy']:.1f}%"
-      f" ({gain:+.1f} points) after {spec.total_steps} RL steps")
-  for line in _level_changes(base_eval, final, band):
-    log(line)
-  if gen_times:
-    log(f"[rlx] median step: generation {np.median(gen_times):.3f}s, update "
-        f"{np.median(upd_times):.3f}s, {np.median(tok_rates):.0f} generated tokens/s")
-  return {"before": base_eval, "after": final, "gain_points": gain,
-          "median_generate_s": float(np.median(gen_times)) if gen_times else None,
-          "median_update_s": float(np.median(upd_times)) if upd_times else None,
-          "state": state}
+  def close_logs(self) -> None:
+    for closer in (self.bar.close, self.writer.close, getattr(self.tb, "close", None)):
+      if closer is not None:
+        closer()
+
+  def closing_lines(self) -> dict[str, Any]:
+    """The final evaluation (the last step's, when it had one), the closing lines, and the
+    run's summary."""
+    try:
+      final = self.last_eval if self.last_eval else self._evaluate()
+    finally:
+      self.mode.close()
+    base_eval, band = self.base_eval, self.band
+    if "eval/band_accuracy" not in final:
+      final["eval/band_accuracy"] = band_accuracy(final, band)
+    self.log("[rlx] after RL:  " + _fmt_eval(final, band))
+    gain = 100 * (final["eval/band_accuracy"] - base_eval["eval/band_accuracy"])
+    self.log(f"[rlx] held-out greedy accuracy on the band (levels {band}): "
+             f"{100 * base_eval['eval/band_accuracy']:.1f}% -> "
+             f"{100 * final['eval/band_accuracy']:.1f}% ({gain:+.1f} points) after "
+             f"{self.spec.total_steps} RL steps")
+    for line in _level_changes(base_eval, final, band):
+      self.log(line)
+    gen, upd = self.gen_times, self.upd_times
+    if gen:
+      self.log(f"[rlx] median step: generation {np.median(gen):.3f}s, update "
+               f"{np.median(upd):.3f}s, {np.median(self.tok_rates):.0f} generated tokens/s")
+    return {"before": base_eval, "after": final, "gain_points": gain,
+            "median_generate_s": float(np.median(gen)) if gen else None,
+            "median_update_s": float(np.median(upd)) if upd else None,
+            "state": self.state}
 
 
 def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):
