@@ -379,6 +379,7 @@ def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_
   import json  # pylint: disable=g-import-not-at-top
   saved = ckpt.read_meta(step).get("config")
   ours = json.loads(json.dumps(record, default=str))
+  _check_tokenizer_kept(ckpt, step, saved, ours)
   theirs_lora, ours_lora = _lora_rank(saved), _lora_rank(ours)
   if (theirs_lora > 0) != (ours_lora > 0):
     what = lambda r: f"LoRA adapters (lora.rank={r})" if r else "all parameters (lora.rank=0)"
@@ -421,10 +422,32 @@ def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_
         f"and its saved state does not fit this config. Rerun with the checkpoint's settings "
         f"(its config is in the workdir's config.json) to resume, or pass a new --workdir to "
         f"start a new run.") from None
+  held = int(jax.device_get(getattr(state, "learner", state).step))
+  if held != step:  # a renamed directory: resuming it would count steps from its name
+    raise ckpt_lib.CheckpointError(
+        f"the checkpoint directory {ckpt.directory}/{step} holds the state after step {held}; "
+        f"expected a directory named after the step it holds, as rlx writes them (was it "
+        f"renamed?). Rename it back to {held}, or move it away to resume from the one before.")
   if diff:
     log(f"[rlx] resuming with settings changed since the checkpoint: {'; '.join(diff[:6])}"
         + (f"; and {len(diff) - 6} more" if len(diff) > 6 else ""))
   return state
+
+
+def _check_tokenizer_kept(ckpt: ckpt_lib.Checkpointer, step: int, saved: dict | None,
+                          ours: dict) -> None:
+  """A resume reuses the tokenizer the run trained (WORKDIR/tokenizer.model): a changed
+  tokenizer.vocab_size would change nothing but the run's record (config.json)."""
+  get = lambda r, section, key: ((r or {}).get(section) or {}).get(key)
+  theirs, now = get(saved, "tokenizer", "vocab_size"), get(ours, "tokenizer", "vocab_size")
+  if (saved is None or theirs == now or get(ours, "tokenizer", "path")
+      or get(ours, "model", "path")):
+    return
+  raise ckpt_lib.CheckpointError(
+      f"config.tokenizer.vocab_size={now}, but the checkpoint at {ckpt.directory}/{step} was "
+      f"made with {theirs}, and a resume keeps the tokenizer the run trained (its model's "
+      f"vocabulary). Rerun with --config.tokenizer.vocab_size={theirs} to resume, or pass a "
+      f"new --workdir to start a new run.")
 
 
 def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
@@ -702,6 +725,9 @@ class _Loop:
       return self.setup.state, 0, False
     state = self.mode.restore(self.ckpt, latest, abstract, self.spec.record, self.log)
     self.log(f"[rlx] resumed from {self.ckpt.directory}/{latest}")
+    if latest >= self.spec.total_steps:
+      self.log(f"[rlx] the checkpoint already holds step {latest} >= config.total_steps="
+               f"{self.spec.total_steps}: nothing is trained; its policy is evaluated")
     return state, int(latest), True
 
   def _evaluator(self) -> evaluate.Evaluator:
@@ -846,7 +872,7 @@ class _Loop:
     self.log(f"[rlx] held-out greedy accuracy on the band (levels {band}): "
              f"{100 * base_eval['eval/band_accuracy']:.1f}% -> "
              f"{100 * final['eval/band_accuracy']:.1f}% ({gain:+.1f} points) after "
-             f"{self.spec.total_steps} RL steps")
+             f"{self.done} RL steps")  # a resume past total_steps trains none: its step
     for line in _level_changes(base_eval, final, band):
       self.log(line)
     gen, upd = self.gen_times, self.upd_times

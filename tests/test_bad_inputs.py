@@ -77,6 +77,10 @@ def corrupt_base_meta(wd):
   (wd / "base" / "rlx_base.json").write_bytes(b"\xff\xfe not json")
 
 
+def rename_checkpoint(wd):
+  os.rename(wd / "checkpoints" / "2", wd / "checkpoints" / "99999999999999999999")
+
+
 def foreign_checkpoint(wd):
   # What another tool might leave: an orbax checkpoint of some other pytree, newer step.
   import orbax.checkpoint as ocp
@@ -178,6 +182,16 @@ CASES = [
                                   "replay.num_samples": 8}, None, checkpoint.CheckpointError,
      r"made with other settings \(.*replay.enabled: checkpoint False, now True.*\).* pass a "
      r"new --workdir to start a new run"),
+    # A resume keeps the tokenizer it trained: the changed value was written into config.json.
+    ("changed_vocab_size_on_resume", {"tokenizer.vocab_size": 5}, None,
+     checkpoint.CheckpointError,
+     r"config.tokenizer.vocab_size=5, but the checkpoint at .*checkpoints/2 was made with 64, "
+     r"and a resume keeps the tokenizer the run trained .* Rerun with "
+     r"--config.tokenizer.vocab_size=64 to resume, or pass a new --workdir"),
+    # A step directory renamed by hand was resumed as the step its name says.
+    ("renamed_checkpoint_directory", {}, rename_checkpoint, checkpoint.CheckpointError,
+     r"the checkpoint directory .*checkpoints/99999999999999999999 holds the state after step "
+     r"2; expected a directory named after the step it holds, .* Rename it back to 2"),
     ("corrupt_eval_base_json", {}, corrupt_eval_base, checkpoint.CheckpointError,
      r".*eval_base.json is not valid JSON \(line 1 column \d+"),
     ("corrupt_base_meta_json", {}, corrupt_base_meta, checkpoint.CheckpointError,
@@ -209,6 +223,21 @@ def test_bad_input_has_one_clear_message(run_dir, tmp_path, name, overrides, pre
     assert (wd / "config.json").read_bytes() == record, f"{name} rewrote the run's config.json"
   # No file appears or goes: e.g. no new TensorBoard events file for a run that wrote nothing.
   assert _files(wd) == files, f"{name} changed the workdir's files"
+
+
+def test_a_resume_past_total_steps_says_what_the_checkpoint_holds(run_dir, tmp_path):
+  # The closing line said "after 1 RL steps" while the state resumed held step 2.
+  wd = tmp_path / "wd"
+  shutil.copytree(run_dir, wd)
+  before = _digest(wd / "checkpoints")
+  logs = []
+  trainer.run(runlocal_config(**{"total_steps": 1, "mesh.data": 1}), str(wd), log=logs.append,
+              show_progress=False, **ONE)
+  assert (f"[rlx] the checkpoint already holds step 2 >= config.total_steps=1: nothing is "
+          f"trained; its policy is evaluated") in logs, logs
+  band = [l for l in logs if l.startswith("[rlx] held-out greedy accuracy on the band")]
+  assert len(band) == 1 and band[0].endswith(" after 2 RL steps"), band
+  assert _digest(wd / "checkpoints") == before
 
 
 def test_a_vocabulary_too_small_for_the_task_on_a_fresh_workdir(tmp_path):
