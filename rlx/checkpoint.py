@@ -160,18 +160,18 @@ class Checkpointer:
     self._manager.close()
 
 
-def read_json(path: str) -> Any:
+def read_json(path: str, remedy: str = "Delete it to have it rewritten.") -> Any:
   """A JSON file rlx wrote (or a user edited); one clear error naming the file if it is not
-  readable JSON."""
+  readable JSON, ending with `remedy` (what makes the next run work)."""
   try:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   except UnicodeDecodeError as e:
     raise CheckpointError(f"{path} is not UTF-8 text (byte {e.start}); expected a JSON file "
-                          f"written by rlx. Delete it to have it rewritten.") from None
+                          f"written by rlx. {remedy}") from None
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{path} is not valid JSON (line {e.lineno} column {e.colno}: "
-                          f"{e.msg}); delete it to have it rewritten.") from None
+                          f"{e.msg}). {remedy}") from None
   except IsADirectoryError:
     raise CheckpointError(f"{path} is a directory; expected a JSON file.") from None
 

@@ -201,12 +201,19 @@ def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
     chosen = None
     for d in (base_dir, warm_dir):
       if d and os.path.isdir(d):
-        ok, why = warm_start.base_matches(d, spec)
+        own = d == base_dir
+        ok, why = warm_start.base_matches(
+            d, spec, warm_start.retrain_advice(base_dir) if own else None)
         if ok:
           chosen = d
           break
-        if d == base_dir and resuming:
+        if own and resuming:
           from rlx.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+          if warm_start.read_base_meta(d) is None:  # nothing to compare: not another task
+            raise CheckpointError(
+                f"{base_dir} has no {warm_start.BASE_META} (the record of the task and model "
+                f"its warm start was made for), so it cannot be checked against this run. "
+                f"{warm_start.retrain_advice(base_dir)}")
           raise CheckpointError(
               f"--workdir={workdir} holds a run made with another task or model ({why}). Use "
               f"a new --workdir, or the config it was made with.")

@@ -19,16 +19,30 @@ from rlx.data import registry
 BASE_META = "rlx_base.json"
 
 
-def read_base_meta(directory: str) -> dict[str, Any] | None:
+def retrain_advice(directory: str) -> str:
+  """What makes the next run work when a workdir's own base has a damaged or no BASE_META:
+  deleting the whole base (deleting BASE_META alone leaves a base a resume cannot check) has
+  the warm start trained again (the same seed gives the same base); the checkpoints hold the
+  trained policy and are resumed."""
+  return (f"Delete the directory {directory} to have the warm start trained again (the "
+          f"checkpoints are kept and resumed), or use a new --workdir.")
+
+
+def read_base_meta(directory: str, remedy: str | None = None) -> dict[str, Any] | None:
   path = os.path.join(directory, BASE_META)
   if not os.path.exists(path):
     return None
-  return read_json(path)
+  return read_json(path, remedy or (
+      f"Delete it, and {directory} is not used (a warm start is trained instead), or set "
+      f"config.warm_start.dir to a base written by an rlx run (WORKDIR/base)."))
 
 
-def base_matches(directory: str, spec: configs.RunSpec) -> tuple[bool, str]:
-  """Whether a warm-start directory was made for this task and model architecture."""
-  meta = read_base_meta(directory)
+def base_matches(directory: str, spec: configs.RunSpec,
+                 remedy: str | None = None) -> tuple[bool, str]:
+  """Whether a warm-start directory was made for this task and model architecture.
+
+  remedy: the advice ending the error for a damaged BASE_META."""
+  meta = read_base_meta(directory, remedy)
   if meta is None:
     return False, f"{directory} has no {BASE_META}"
   name = meta.get("task", "arithmetic")

@@ -240,6 +240,35 @@ def test_a_resume_past_total_steps_says_what_the_checkpoint_holds(run_dir, tmp_p
   assert _digest(wd / "checkpoints") == before
 
 
+def test_the_advice_for_a_damaged_base_record_works(run_dir, tmp_path):
+  # "Delete it to have it rewritten" for base/rlx_base.json led to a second refusal ("holds
+  # a run made with another task or model (... has no rlx_base.json)").
+  wd = tmp_path / "wd"
+  shutil.copytree(run_dir, wd)
+  corrupt_base_meta(wd)
+  cfg = runlocal_config(**{"total_steps": 3, "checkpoint_every": 1, "eval_every": 100,
+                           "mesh.data": 1})
+  run = lambda log=lambda s: None: trainer.run(cfg, str(wd), log=log, show_progress=False, **ONE)
+  advice = (f"Delete the directory {wd / 'base'} to have the warm start trained again (the "
+            f"checkpoints are kept and resumed), or use a new --workdir.")
+  with pytest.raises(checkpoint.CheckpointError) as info:
+    run()
+  assert str(info.value).endswith(advice) and "\n" not in str(info.value), info.value
+  os.remove(wd / "base" / "rlx_base.json")  # not the advice: the base can no longer be checked
+  with pytest.raises(checkpoint.CheckpointError) as info:
+    run()
+  assert str(info.value) == (f"{wd / 'base'} has no rlx_base.json (the record of the task and "
+                             f"model its warm start was made for), so it cannot be checked "
+                             f"against this run. {advice}")
+  shutil.rmtree(wd / "base")  # the advice
+  logs = []
+  run(logs.append)
+  assert any(l.endswith(f"resumed from {wd / 'checkpoints'}/2") for l in logs), logs
+  assert checkpoint.Checkpointer(str(wd)).latest_step() == 3
+  for f in ("model.safetensors", "tokenizer.model"):  # the same seed, the same base
+    assert (wd / "base" / f).read_bytes() == (run_dir / "base" / f).read_bytes(), f
+
+
 def test_a_vocabulary_too_small_for_the_task_on_a_fresh_workdir(tmp_path):
   # sentencepiece's trainer raised a RuntimeError ("INTERNAL: src/trainer_interface.cc(638)
   # ... 5 vs 16 ...") through rlx.main as a traceback.
