@@ -322,6 +322,33 @@ def test_cli_flag_errors_are_one_line(flag, message, tmp_path):
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("case", ["lone_surrogate", "train_jsonl_is_a_directory"])
+def test_bad_jsonl_files_through_the_cli_are_one_line(case, tmp_path):
+  # A lone surrogate escape was a TFDS UnicodeEncodeError traceback; a train.jsonl directory a
+  # message naming neither the file nor the cause.
+  files = tmp_path / "gsm8k"
+  files.mkdir()
+  if case == "lone_surrogate":
+    (files / "train.jsonl").write_text('{"question": "x\\ud800y", "answer": "#### 1"}\n')
+    message = (f"rlx: error: {files}/train.jsonl:1: field 'question' holds the escape \\ud800, "
+               f"half of a UTF-16 surrogate pair without its other half (not a character); "
+               f"expected valid Unicode text.")
+  else:
+    (files / "train.jsonl").mkdir()
+    message = (f"rlx: error: {files}/train.jsonl is a directory; expected train.jsonl to be a "
+               f"JSONL file (one JSON object per line).")
+  wd = tmp_path / "wd"
+  out = subprocess.run([sys.executable, "-m", "rlx.main", f"--config={ARITH}:runlocal",
+                        f"--workdir={wd}", "--config.task.name=gsm8k",
+                        f"--config.model.path={REPO}", f"--config.task.manual_dir={files}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert out.returncode == 2, out.stderr[-3000:]
+  errors = [l for l in out.stderr.splitlines() if "error" in l.lower()]
+  assert len(errors) == 1 and errors[0].startswith(message), out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  assert _files(wd) == [".rlx.lock"]  # no data prepared (and the empty checkpoints/ only)
+
+
 # Runs `python -m rlx.main ARGS` with the disk "full" for metrics.jsonl after FULL_AFTER lines
 # were appended to it: the file's writes then fail with ENOSPC, as they do on a full disk.
 _FULL_DISK_DRIVER = """

@@ -156,6 +156,26 @@ def parse_math_row(row: dict, where: str, default_id: str) -> dict:
 _PARSERS = {"gsm8k": parse_gsm8k_row, "math": parse_math_row}
 
 
+def _lone_surrogate(value: Any, field: str = "") -> tuple[str, str] | None:
+  """(field, '\\udXXX') of the first lone surrogate in a parsed JSON value (keys included),
+  else None: json.loads accepts an unpaired \\ud800 escape, which no UTF-8 text can hold."""
+  if isinstance(value, str):
+    m = _SURROGATE.search(value)
+    return None if m is None else (field, f"\\u{ord(m.group()):04x}")
+  items = (value.items() if isinstance(value, dict) else enumerate(value)
+           if isinstance(value, list) else ())
+  for k, v in items:
+    name = f"{field}.{k}" if field else str(k)
+    found = _lone_surrogate(k, name) if isinstance(k, str) else None
+    found = found or _lone_surrogate(v, name)
+    if found:
+      return found
+  return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def read_jsonl_examples(path: str, kind: str, split: str) -> Iterator[dict]:
   """Parses one JSONL file into examples; errors name the file and line."""
   parse = _PARSERS[kind]
@@ -180,6 +200,12 @@ def read_jsonl_examples(path: str, kind: str, split: str) -> Iterator[dict]:
       if not isinstance(row, dict):
         raise DataFileError(f"{where}: a line holds a JSON {type(row).__name__}; expected "
                             f"one JSON object per line.")
+      if "\\u" in line:  # only a \uXXXX escape gives a lone surrogate (UTF-8 bytes cannot)
+        bad = _lone_surrogate(row)
+        if bad is not None:
+          raise DataFileError(f"{where}: field {bad[0]!r} holds the escape {bad[1]}, half of "
+                              f"a UTF-16 surrogate pair without its other half (not a "
+                              f"character); expected valid Unicode text.")
       rows += 1
       yield parse(row, where, f"{split}-{line_no}")
   if not rows:
@@ -199,6 +225,12 @@ def split_files(kind: str, manual_dir: str) -> dict[str, str]:
   if not manual_dir or not os.path.isdir(manual_dir):
     raise DataFileError(f"manual_dir {manual_dir!r} is not a directory; put {expected} there. "
                         f"{_WHERE_TO_GET[kind]}.")
+  for f in SPLIT_FILES.values():
+    path = os.path.join(manual_dir, f)
+    if os.path.exists(path) and not os.path.isfile(path):
+      what = "a directory" if os.path.isdir(path) else "not a regular file"
+      raise DataFileError(f"{path} is {what}; expected {f} to be a JSONL file (one JSON "
+                          f"object per line). {_WHERE_TO_GET[kind]}.")
   found = {s: os.path.join(manual_dir, f) for s, f in SPLIT_FILES.items()
            if os.path.isfile(os.path.join(manual_dir, f))}
   if not found:

@@ -144,6 +144,12 @@ MATH_ROW = {"problem": "p", "solution": "\\boxed{1}", "level": "Level 1", "type"
     ("math", json.dumps({**MATH_ROW, "problem": ["x" * 10**6]}).encode(),
      r"train.jsonl:1: field 'problem' is list \['xxx.*\.\.\. \(\d+ characters\); expected a "
      r"string"),
+    # json.loads accepts an unpaired surrogate escape; TFDS's UTF-8 encoder then raised.
+    ("gsm8k", b'{"question": "x\\ud800y", "answer": "#### 1"}\n',
+     r"train.jsonl:1: field 'question' holds the escape \\ud800, half of a UTF-16 surrogate "
+     r"pair without its other half \(not a character\); expected valid Unicode text\.$"),
+    ("math", (json.dumps({**MATH_ROW, "extra": {"notes": ["ok", "\udfff"]}}) + "\n").encode(),
+     r"train.jsonl:1: field 'extra.notes.1' holds the escape \\udfff"),
     ("gsm8k", json.dumps({f"field{i}": 1 for i in range(10**5)}).encode(),
      r"train.jsonl:1: missing field 'question'; .* \(got fields \['field0', .*\.\.\. "
      r"\(\d+ characters\)\)\.$"),
@@ -154,6 +160,28 @@ def test_bad_jsonl_is_one_short_line_naming_file_and_line(kind, contents, messag
   with pytest.raises(md.DataFileError) as e:
     md.build(kind, str(tmp_path / kind), str(tmp_path / "data"))
   _one_line(e, message)
+
+
+def test_a_paired_surrogate_escape_is_text(tmp_path):
+  (tmp_path / "train.jsonl").write_text('{"question": "\\ud83d\\ude00?", "answer": "#### 1"}\n')
+  assert [e["prompt"] for e in md.read_jsonl_examples(str(tmp_path / "train.jsonl"), "gsm8k",
+                                                       "train")] == ["\U0001F600?"]
+
+
+@pytest.mark.parametrize("kind", ["gsm8k", "math"])
+def test_a_split_file_that_is_a_directory_is_named(kind, tmp_path):
+  # The message named neither the file nor the cause ("holds neither of [...] (it has
+  # ['train.jsonl'])"), and beside a good test.jsonl the directory was passed over in silence.
+  d = tmp_path / kind
+  (d / "train.jsonl").mkdir(parents=True)
+  for extra in ([], ["test.jsonl"]):
+    for name in extra:
+      (d / name).write_text(GSM8K_ROW + "\n" if kind == "gsm8k" else json.dumps(MATH_ROW))
+    with pytest.raises(md.DataFileError) as e:
+      md.build(kind, str(d), str(tmp_path / "data"))
+    _one_line(e, "^" + str(d) + r"/train.jsonl is a directory; expected train.jsonl to be a "
+              r"JSONL file \(one JSON object per line\)\. (GSM8K|MATH): ")
+  assert not os.path.exists(tmp_path / "data")
 
 
 def test_long_prompt_error_quotes_a_short_prefix():
