@@ -221,6 +221,9 @@ def _prepare(spec: configs.RunSpec, workdir: str, *, log, resuming: bool,
     if chosen is None:
       tokenizer = _task_tokenizer(spec, train_ex, workdir)
       model_cfg = spec.model.tiny(tokenizer.vocab_size)
+      if spec.lora is not None:  # refused before the warm start, not after it (memory plan)
+        from rlx import memory  # pylint: disable=g-import-not-at-top
+        memory.lora_targets(transformer.abstract_params(model_cfg)[1], spec.lora)
       t0 = time.time()
       log(f"[rlx] supervised warm start: {spec.sft.steps} steps on the task's teacher "
           f"answers (cached in {base_dir})")

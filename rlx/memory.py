@@ -295,6 +295,20 @@ def human(n: float) -> str:
 # ----------------------------------------------------------------------------- plan
 
 
+def lora_targets(abstract_params, lc: lora_lib.LoRAConfig) -> list[str]:
+  """The paths config.lora adapts in a model of these (abstract) params; a ConfigError if
+  its targets match nothing usable or its rank exceeds a matrix's smaller side."""
+  try:
+    targets = lora_lib.target_paths(abstract_params, lc)
+  except ValueError as e:
+    raise configs.ConfigError(f"config.lora.targets: {e}") from None
+  try:
+    lora_lib.check_rank(abstract_params, lc, targets)
+  except ValueError as e:
+    raise configs.ConfigError(f"config.lora.{e}") from None
+  return targets
+
+
 def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
          mesh_shape: Mapping[str, int], *,
          num_prompts: int | None = None, prompt_width: int | None = None,
@@ -382,10 +396,7 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
     base_splits = _param_splits(base_abs, mesh, rules)
     base_dev = sum(_nbytes(x) // sp_ for x, sp_ in base_splits.values())
     sample_full, sample_dtype = sum(_nbytes(x) for x, _ in base_splits.values()), bdt.name
-    try:
-      targets = lora_lib.target_paths(abstract, lc)
-    except ValueError as e:
-      raise configs.ConfigError(f"config.lora.targets: {e}") from None
+    targets = lora_targets(abstract, lc)
     adapters = jax.eval_shape(lambda p: lora_lib.init_adapters(p, lc), abstract)
     ad_bytes = sum(_nbytes(x) for x in jax.tree.leaves(adapters))  # replicated
     ad_n = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))

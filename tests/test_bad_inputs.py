@@ -182,6 +182,12 @@ CASES = [
                                   "replay.num_samples": 8}, None, checkpoint.CheckpointError,
      r"made with other settings \(.*replay.enabled: checkpoint False, now True.*\).* pass a "
      r"new --workdir to start a new run"),
+    # A LoRA rank above a matrix's smaller side adds only memory (100000: 7.4 GB, minutes
+    # compiling): refused by the memory plan, before the state is built.
+    ("lora_rank_above_the_matrix_sides", {"lora.rank": 100000}, None, configs.ConfigError,
+     r"config.lora.rank=100000 exceeds the smaller side of the adapted matrix "
+     r"'layer_0/attn/k_proj' \(shape \(32, 16\)\); the update A @ B of an \[in, out\] matrix "
+     r"has rank <= min\(in, out\), so expected rank <= 16\.$"),
     # A resume keeps the tokenizer it trained: the changed value was written into config.json.
     ("changed_vocab_size_on_resume", {"tokenizer.vocab_size": 5}, None,
      checkpoint.CheckpointError,
@@ -283,6 +289,14 @@ def test_a_vocabulary_too_small_for_the_task_on_a_fresh_workdir(tmp_path):
   # Only the lock and the data cache (kept, as after a stop in set-up) were written.
   assert set(os.listdir(tmp_path)) <= {".rlx.lock", "data", "checkpoints"}
   assert not os.listdir(tmp_path / "checkpoints")
+
+
+def test_a_lora_rank_above_the_matrix_sides_is_refused_before_the_warm_start(tmp_path):
+  with pytest.raises(configs.ConfigError, match=r"config.lora.rank=17 exceeds the smaller side "
+                     r"of the adapted matrix .*expected rank <= 16\.$"):
+    trainer.run(runlocal_config(**{"lora.rank": 17, "mesh.data": 1}), str(tmp_path),
+                log=lambda s: None, show_progress=False, **ONE)
+  assert not os.path.exists(tmp_path / "base")  # no warm start trained first
 
 
 def test_batch_not_divisible_by_the_data_axis(tmp_path):

@@ -208,6 +208,20 @@ def target_paths(params: Params, cfg: LoRAConfig) -> list[str]:
   return paths
 
 
+def check_rank(params: Params, cfg: LoRAConfig, paths: list[str]) -> None:
+  """One ValueError if the rank exceeds the smaller side of an adapted matrix (`paths`, from
+  target_paths): A @ B of an [in, out] matrix has rank <= min(in, out), so a larger rank
+  adds only parameters, memory and compile time (rank 100000 was 7.4 GB of adapters)."""
+  shapes = {p: tuple(np.shape(_get(params, p))) for p in paths}
+  smallest = min(paths, key=lambda p: (min(shapes[p]), p))
+  limit = min(shapes[smallest])
+  if cfg.rank > limit:
+    raise ValueError(
+        f"rank={cfg.rank} exceeds the smaller side of the adapted matrix {smallest!r} "
+        f"(shape {shapes[smallest]}); the update A @ B of an [in, out] matrix has rank <= "
+        f"min(in, out), so expected rank <= {limit}.")
+
+
 def _get(tree, path):
   for k in path.split("/"):
     tree = tree[k]
