@@ -381,8 +381,15 @@ def _one_line_error(exc_info, *must_contain):
      r"config.json \(LlamaForCausalLM\) has no 'hidden_size'"),
     (lambda c: json.dumps({**c, "rms_norm_eps": "tiny"}),
      r"rms_norm_eps='tiny', expected a positive number"),
+    # transformers 4's layout (top-level rope_theta, no rope_parameters)
+    (lambda c: json.dumps({**{k: v for k, v in c.items() if k != "rope_parameters"},
+                           "rope_scaling": None, "rope_theta": -10000.0}),
+     r"config.json \(LlamaForCausalLM\): rope_theta=-10000.0, expected a positive number"),
+    (lambda c: json.dumps({**c, "rope_scaling": None,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 0}}),
+     r"config.json \(LlamaForCausalLM\): rope_theta=0, expected a positive number"),
 ], ids=["invalid_json", "list", "zero_heads", "negative_mlp", "heads_not_dividing",
-        "missing_key", "eps_string"])
+        "missing_key", "eps_string", "negative_rope_theta", "zero_rope_theta_v5"])
 def test_bad_config_json_names_file_and_key(tmp_path, good_dir, change, pattern):
   d = _copy(good_dir, tmp_path / "cfg")
   path = os.path.join(d, "config.json")
