@@ -21,8 +21,8 @@ What is resident depends on the phase of a step, so every line belongs to one:
 The peak is `state + max(rollout, eval, logp + update, grad + update)`. Parameters,
 optimizer state and the replay ring are exact (their shapes and the sharding rules, as
 `rlx.train.init_state` places them); KV caches follow the samplers' own layouts; activations
-are estimates from the model code (see `_layer_activation_bytes`) times a safety margin
-(`config.memory.activation_margin`, default 1.2). XLA's own temporaries (fusion and
+are estimates from the model code (see `rlx.memory_model.layer_activation_bytes`) times a
+safety margin (`config.memory.activation_margin`, default 1.2). XLA's own temporaries (fusion and
 collective buffers, weight casts hoisted out of loops) are not modelled.
 
 LoRA (`config.lora.rank > 0`, rlx.model.lora): the state holds the frozen base (split like
@@ -31,22 +31,14 @@ moments for the adapters only; there is no full-size gradient, no full-size opti
 and no reference copy for the KL term (the base with adapters off is the reference: one more
 no-grad forward, as before). The backward keeps what the full-parameter one keeps (each
 adapted projection's input x is needed for dA as it was for dW) plus, per adapted projection,
-x A [tokens, r] and xW and s (xA)B apart ([tokens, out]; see `_layer_activation_bytes`): with
-remat that is one layer's worth, a few percent. With `lora.merge_for_sampling` the rollout
-(and eval) decodes with W + scale * A @ B merged once per rollout: one more copy of the
-adapted weights, in the base dtype, live while sampling.
+x A [tokens, r] and xW and s (xA)B apart ([tokens, out]; see
+`rlx.memory_model.layer_activation_bytes`): with remat that is one layer's worth, a few
+percent. With `lora.merge_for_sampling` the rollout (and eval) decodes with W + scale * A @ B
+merged once per rollout: one more copy of the adapted weights, in the base dtype, live while
+sampling.
 
-Remat (`rl.remat`): the backward keeps each layer's input and rebuilds one layer at a time.
-XLA:CPU's scheduler realises almost none of that saving (measured: -6% of the update's
-temporaries where the model predicts -50%), so on CPU the plan keeps the no-remat upper
-bound; on TPU / GPU (or `remat_realised=True`) it counts layer inputs + one layer.
-
-Paged sampler (rollout and eval): the page pool, the params all-gathered into its shard_map
-under FSDP, and the transients of `_paged_sampler` (one prefill chunk's layer, admission's
-page copy, one decode layer's attention -- the "reference" kernel gathers every slot's pages
--- or the decode logits, whichever is largest). In f32 the plan is within 3% of XLA:CPU's
-compiled rollout and evaluation; in bf16 XLA:CPU keeps f32 copies of the bf16 pool and of
-the weights (it upcasts bf16 scatters and matmuls), a CPU artefact the plan does not model.
+Remat (`rl.remat`) and the samplers' KV caches and temporaries: rlx.memory_model holds the
+byte formulas the plan adds up, derived from the model and sampler code.
 """
 
 from __future__ import annotations
@@ -63,14 +55,15 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from rlx import configs
+from rlx import memory_model
 from rlx import sharding as shd
 from rlx import train
+from rlx.memory_model import human
 from rlx.model import lora as lora_lib
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
 from rlx.rl import replay as replay_lib
 from rlx.rl import selection
-from rlx.sampler import paged
 
 # f32 [tokens, V] buffers: in the backward, logits, log-softmax, softmax (for its grad) and
 # the logits' gradient; in the pi_old forward, logits and log-softmax (measured, XLA:CPU).
@@ -228,68 +221,11 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def _layer_activation_bytes(cfg: ModelConfig, seq: int,
-                            lora_extra: int = 0) -> tuple[int, str]:
-  """Bytes per token per layer that the backward pass keeps (rlx.model.transformer, no remat).
-
-  c = compute dtype bytes. The residuals JAX saves per token and layer:
-    4 x d x c     residual input, input_norm output (q/k/v weight grads), residual after
-                  attention, pre_mlp_norm output (gate/up weight grads)
-    2 x d x 4     RMSNorm works in f32: one f32 copy of each norm's input
-    (Hq + 2Hkv) D c  q, k after rope (score grads) and v (PV grad); rope itself is linear
-    Hq D c        attention output (o_proj weight grad)
-    5 x F x c     gate, sigmoid(gate) (silu's jvp), silu(gate), up, silu(gate) * up
-    Hq S (8 + c)  f32 scores and softmax probabilities, and the probabilities cast to c for
-                  the PV matmul (no extra copy when c = 4), under autodiff of `dot_attention`
-                  (below transformer.KEYS_MAJOR_MIN_KEYS keys); where
-                  `transformer.uses_keys_major`, the hand-written VJP of
-                  `keys_major_attention` keeps instead
-    Hq S 4 + Hq D 4   the f32 probabilities (plus f32 tanh(S / softcap) with a logit softcap)
-                  and the f32 attention output for rowsum(dO * O); its q, k, v residuals are
-                  transposed copies that stand in for the ones counted above (the update's
-                  XLA:CPU memory analysis vs this plan, layers 2-4, heads 2-4, 528-1040
-                  tokens, softcap on/off: within 2% in f32, 5% under in bf16)
-  Checked against XLA:CPU `memory_analysis()` of jax.grad of completion_logprobs over
-  vocab / layers / mlp_dim / heads sweeps (with _LOGITS_GRAD_COPIES and one layer's
-  backward scores): within 1% in f32, 5-15% under in bf16 (XLA:CPU upcasts bf16 math).
-
-  lora_extra: bytes per token per layer that LoRA adds. A frozen W needs no dW, but dA needs
-  the same input x, so the list above stands; each adapted projection adds x A ([r], c) and,
-  since XLA fuses the y = xW + s (xA)B add into its consumers instead of materialising y, xW
-  and s (xA)B are kept apart: one more [out] (c). XLA:CPU, f32, adapters on all 7
-  projections (d=128, F=512, r=8): the LoRA update's temporaries are +7.6% over the
-  full-parameter one's, and the plan with this term is within 2% of XLA (without it, 10%
-  under); in bf16 XLA:CPU measured the LoRA backward 4% below the full-parameter one.
-  """
-  c = jnp.dtype(cfg.compute_dtype).itemsize
-  d, f, hq, hkv, hd = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  if transformer.uses_keys_major(seq):  # keys_major_attention's residuals
-    probs = 4 + (4 if cfg.attn_logit_softcap else 0)
-    out_f32, out_note = hq * hd * 4, " + HqD*4B"
-  else:  # autodiff of dot_attention
-    probs = 8 + (c if c != 4 else 0)
-    out_f32, out_note = 0, ""
-  per = ((4 * d + (hq + 2 * hkv) * hd + hq * hd + 5 * f) * c + 8 * d + hq * seq * probs
-         + out_f32 + lora_extra)
-  extra = f" + {lora_extra}B LoRA (xA, xW|s(xA)B split)" if lora_extra else ""
-  formula = (f"[(4d+(Hq+2Hkv)D+HqD+5F)*{c}B + 8d + Hq*S*{probs}B{out_note}{extra}] = "
-             f"{per / 1024:.1f} KiB/token/layer")
-  return per, formula
-
-
 def _out_dim(tree, path: str) -> int:
   """The output dimension of the [in, out] weight at `path` ("layer_0/attn/q_proj")."""
   for k in path.split("/"):
     tree = tree[k]
   return int(tree.shape[-1])
-
-
-def human(n: float) -> str:
-  """Bytes as KiB / MiB / GiB."""
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{int(n)} B"
 
 
 # ----------------------------------------------------------------------------- plan
@@ -309,6 +245,58 @@ def lora_targets(abstract_params, lc: lora_lib.LoRAConfig) -> list[str]:
   return targets
 
 
+@dataclasses.dataclass
+class _Lines:
+  """The plan's lines in the order they are added; estimated ones carry the safety margin."""
+  margin: float
+  items: list[MemoryItem] = dataclasses.field(default_factory=list)
+
+  def add(self, name, nbytes, formula, phase, hint="", estimate=False):
+    if estimate:
+      nbytes = int(nbytes * self.margin)
+      formula = f"{formula} x{self.margin:g} margin"
+    self.items.append(MemoryItem(name, int(nbytes), formula, phase, hint))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What every phase of the plan reads: the resolved spec, the model and the run's shapes."""
+  spec: configs.RunSpec
+  cfg: ModelConfig
+  mesh: AbstractMesh
+  rules: Any
+  nb: int  # devices the batch is split over
+  pw: int  # prompt width
+  t_new: int  # completion tokens
+  n_prompts: int  # RL prompt pool
+  n_groups: int  # selector buckets
+
+  @property
+  def seq(self) -> int:
+    return self.pw + self.t_new
+
+  @property
+  def c(self) -> int:  # compute dtype bytes
+    return jnp.dtype(self.cfg.compute_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+  """What the state phase found about the weights that the later phases need."""
+  splits: dict[str, tuple[Any, int]]  # the params: path -> (abstract leaf, devices split over)
+  params_full: int
+  params_dev: int
+  sample_full: int  # bytes of the weights the sampler reads (the frozen base under LoRA)
+  sample_dtype: str
+  # LoRA only (config.lora.rank > 0):
+  base_splits: dict[str, tuple[Any, int]] | None = None
+  base_dtype: Any = None
+  targets: tuple[str, ...] = ()
+  adapter_bytes: int = 0
+  lora_act: int = 0  # extra saved activations per token, summed over the layers
+  head_act: int = 0  # the same for an adapted lm_head
+
+
 def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
          mesh_shape: Mapping[str, int], *,
          num_prompts: int | None = None, prompt_width: int | None = None,
@@ -325,44 +313,46 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   """
   spec = configs.resolve(config)
   sizes = _check_mesh(mesh_shape)
-  mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-  nb = sizes["data"] * sizes["fsdp"]  # devices the batch is split over
   margin = spec.memory.activation_margin
   if margin < 1.0:
     raise configs.ConfigError(f"config.memory.activation_margin={margin}; expected >= 1.0.")
   capacity, source = device_memory_bytes(spec.memory.device_bytes)
+  run = _run_shapes(spec, model_cfg, sizes, rules, num_prompts, prompt_width, num_groups)
+  lines = _Lines(margin)
+  weights = _weight_lines(run, lines)
+  _pool_lines(run, lines)
+  _sampler_lines(run, weights, lines)
+  _merged_lines(run, weights, lines)
+  mb_rows = _logp_lines(run, lines)
+  _grad_lines(run, weights, mb_rows, lines, remat_realised)
+  return MemoryPlan(items=tuple(lines.items), capacity_bytes=int(capacity),
+                    capacity_source=source, mesh_shape=dict(sizes), activation_margin=margin,
+                    notes=_notes(spec.lora, weights, margin))
 
-  rl, s = spec.rl, spec.sampler
-  loss = rl.loss
-  sel = spec.selection
-  rep = spec.replay
-  sp = s.sampling(eos_id=0, pad_id=0)
-  pw = int(prompt_width if prompt_width is not None else s.max_prompt_len)
-  t_new = int(s.max_new_tokens)
-  seq = pw + t_new
-  g = int(rl.group_size)
+
+def _run_shapes(spec: configs.RunSpec, cfg: ModelConfig, sizes: dict[str, int], rules,
+                num_prompts: int | None, prompt_width: int | None,
+                num_groups: int | None) -> _Run:
   if num_prompts is None:
     task = spec.task
     num_prompts = (task.num_train_per_level * max(len(task.ops), 1)
                    * len(task.rl_levels or task.levels))
-  n_prompts = int(num_prompts)
+  return _Run(
+      spec=spec, cfg=cfg, mesh=AbstractMesh(tuple(sizes.values()), tuple(sizes)), rules=rules,
+      nb=sizes["data"] * sizes["fsdp"],
+      pw=int(prompt_width if prompt_width is not None else spec.sampler.max_prompt_len),
+      t_new=int(spec.sampler.max_new_tokens), n_prompts=int(num_prompts),
+      n_groups=int(num_groups) if num_groups else max(len(spec.task.levels), 1))
 
-  cfg = model_cfg
-  c = jnp.dtype(cfg.compute_dtype).itemsize
-  w = jnp.dtype(cfg.weight_dtype).itemsize
-  L, hkv, hq, hd, d, V = (cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
-                          cfg.d_model, cfg.vocab_size)
-  items: list[MemoryItem] = []
 
-  def add(name, nbytes, formula, phase, hint="", estimate=False):
-    if estimate:
-      nbytes = int(nbytes * margin)
-      formula = f"{formula} x{margin:g} margin"
-    items.append(MemoryItem(name, int(nbytes), formula, phase, hint))
+# ---- state: exact, from abstract shapes and the sharding rules.
 
-  # ---- state: exact, from abstract shapes and the sharding rules.
+
+def _weight_lines(run: _Run, lines: _Lines) -> _Weights:
+  """Params (or LoRA's frozen base and adapters), optimizer state, reference params."""
+  cfg, spec = run.cfg, run.spec
   _, abstract = transformer.abstract_params(cfg)
-  splits = _param_splits(abstract, mesh, rules)
+  splits = _param_splits(abstract, run.mesh, run.rules)
   params_full = sum(_nbytes(x) for x, _ in splits.values())
   params_dev = sum(_nbytes(x) // sp_ for x, sp_ in splits.values())
   n_split = sum(1 for _, sp_ in splits.values() if sp_ > 1)
@@ -372,198 +362,238 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   tx = train.make_optimizer(o.lr, spec.total_steps, warmup_steps=o.warmup_steps,
                             schedule=o.schedule, weight_decay=o.weight_decay,
                             grad_clip=o.grad_clip, b1=o.b1, b2=o.b2)
-  lc = spec.lora
-  # LoRA: the adapters' extra saved activations per token, summed over the layers.
-  lora_act = head_act = 0
-  if lc is None:
-    add("params", params_dev,
-        f"{cfg.num_params() / 1e6:.1f}M x {w}B ({cfg.param_dtype}), {split_note}", "state",
-        f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
-    opt_abstract = jax.eval_shape(tx.init, abstract)
-    opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
-    add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
-        f"2 x params-shaped ({'/'.join(opt_dtypes)}), split like params, + count", "state",
-        f"{_HINT_LORA}; {_HINT_FSDP}; {_HINT_BF16}")
-    if loss.kl_coef > 0:
-      add("reference params (kl_coef > 0)", params_dev, "= params", "state",
-          "config.rl.kl_coef=0 (no reference model)")
-    sample_full, sample_dtype = params_full, cfg.param_dtype
-  else:
-    bdt = jnp.dtype(lc.base_dtype or cfg.weight_dtype)
-    base_abs = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, bdt) if jnp.issubdtype(x.dtype, jnp.floating)
-        else x, abstract)
-    base_splits = _param_splits(base_abs, mesh, rules)
-    base_dev = sum(_nbytes(x) // sp_ for x, sp_ in base_splits.values())
-    sample_full, sample_dtype = sum(_nbytes(x) for x, _ in base_splits.values()), bdt.name
-    targets = lora_targets(abstract, lc)
-    adapters = jax.eval_shape(lambda p: lora_lib.init_adapters(p, lc), abstract)
-    ad_bytes = sum(_nbytes(x) for x in jax.tree.leaves(adapters))  # replicated
-    ad_n = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
-    add(f"frozen base ({bdt.name}, LoRA)", base_dev,
-        f"{cfg.num_params() / 1e6:.1f}M x {bdt.itemsize}B ({bdt.name}), {split_note}",
-        "state", f"{_HINT_FSDP}; {_HINT_LORA_BF16}")
-    add(f"params: LoRA adapters (r={lc.rank})", ad_bytes,
-        f"{ad_n / 1e6:.2f}M = r x (in + out) over {len(targets)} matrices x 4B (f32), "
-        "replicated", "state", _HINT_LORA_RANK)
-    opt_abstract = jax.eval_shape(tx.init, adapters)
-    opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
-    add("optimizer (adamw mu, nu)", sum(_nbytes(x) for x in jax.tree.leaves(opt_abstract)),
-        f"2 x adapter-shaped ({'/'.join(opt_dtypes)}), replicated, + count; none for the base",
-        "state", _HINT_LORA_RANK)
-    # (kl_coef > 0: no reference params; the base with adapters off is the reference.)
-    # Per adapted projection and token the backward keeps x A [r] and, as XLA fuses the
-    # y = xW + s (xA)B add into its consumers, xW and s (xA)B apart: one more [out] (c).
-    lora_act = sum((lc.rank + _out_dim(abstract, t)) * c for t in targets
-                   if t.startswith("layer_"))
-    head_act = lc.rank * c if "lm_head" in targets else 0
-  n_groups = int(num_groups) if num_groups else max(len(spec.task.levels), 1)
+  w = jnp.dtype(cfg.weight_dtype).itemsize
+  weights = _Weights(splits, params_full, params_dev, params_full, cfg.param_dtype)
+  if spec.lora is not None:
+    return _lora_weight_lines(run, abstract, tx, weights, split_note, lines)
+  lines.add("params", params_dev,
+            f"{cfg.num_params() / 1e6:.1f}M x {w}B ({cfg.param_dtype}), {split_note}", "state",
+            f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
+  opt_abstract = jax.eval_shape(tx.init, abstract)
+  opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
+  lines.add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
+            f"2 x params-shaped ({'/'.join(opt_dtypes)}), split like params, + count", "state",
+            f"{_HINT_LORA}; {_HINT_FSDP}; {_HINT_BF16}")
+  if spec.rl.loss.kl_coef > 0:
+    lines.add("reference params (kl_coef > 0)", params_dev, "= params", "state",
+              "config.rl.kl_coef=0 (no reference model)")
+  return weights
+
+
+def _lora_weight_lines(run: _Run, abstract, tx, weights: _Weights, split_note: str,
+                       lines: _Lines) -> _Weights:
+  """LoRA's frozen base, adapters and their optimizer state. With kl_coef > 0 there are no
+  reference params: the base with adapters off is the reference."""
+  cfg, lc, c = run.cfg, run.spec.lora, run.c
+  bdt = jnp.dtype(lc.base_dtype or cfg.weight_dtype)
+  base_abs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, bdt) if jnp.issubdtype(x.dtype, jnp.floating)
+      else x, abstract)
+  base_splits = _param_splits(base_abs, run.mesh, run.rules)
+  base_dev = sum(_nbytes(x) // sp_ for x, sp_ in base_splits.values())
+  targets = lora_targets(abstract, lc)
+  adapters = jax.eval_shape(lambda p: lora_lib.init_adapters(p, lc), abstract)
+  ad_bytes = sum(_nbytes(x) for x in jax.tree.leaves(adapters))  # replicated
+  ad_n = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
+  lines.add(f"frozen base ({bdt.name}, LoRA)", base_dev,
+            f"{cfg.num_params() / 1e6:.1f}M x {bdt.itemsize}B ({bdt.name}), {split_note}",
+            "state", f"{_HINT_FSDP}; {_HINT_LORA_BF16}")
+  lines.add(f"params: LoRA adapters (r={lc.rank})", ad_bytes,
+            f"{ad_n / 1e6:.2f}M = r x (in + out) over {len(targets)} matrices x 4B (f32), "
+            "replicated", "state", _HINT_LORA_RANK)
+  opt_abstract = jax.eval_shape(tx.init, adapters)
+  opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
+  lines.add("optimizer (adamw mu, nu)",
+            sum(_nbytes(x) for x in jax.tree.leaves(opt_abstract)),
+            f"2 x adapter-shaped ({'/'.join(opt_dtypes)}), replicated, + count; none for the "
+            "base", "state", _HINT_LORA_RANK)
+  # Per adapted projection and token the backward keeps x A [r] and, as XLA fuses the
+  # y = xW + s (xA)B add into its consumers, xW and s (xA)B apart: one more [out] (c).
+  return dataclasses.replace(
+      weights, sample_full=sum(_nbytes(x) for x, _ in base_splits.values()),
+      sample_dtype=bdt.name, base_splits=base_splits, base_dtype=bdt, targets=tuple(targets),
+      adapter_bytes=ad_bytes,
+      lora_act=sum((lc.rank + _out_dim(abstract, t)) * c for t in targets
+                   if t.startswith("layer_")),
+      head_act=lc.rank * c if "lm_head" in targets else 0)
+
+
+def _pool_lines(run: _Run, lines: _Lines) -> None:
+  """The selector, the prompt pool and the replay ring."""
+  spec, n_prompts, n_groups, pw, t_new = (run.spec, run.n_prompts, run.n_groups, run.pw,
+                                          run.t_new)
   sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
       lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups,
                                            spread=spec.selection.bucket_score == "spread"))))
-  add("selector", sel_bytes if n_prompts else 0,
-      f"{n_prompts} prompts x (5 x 4B + 1B) + {n_groups} buckets x 4B, replicated", "state")
-  add("prompt pool", n_prompts * (pw + t_new + 3) * 4,
-      f"{n_prompts} x (P={pw} + A={t_new} + 3) x 4B, replicated", "state")
+  lines.add("selector", sel_bytes if n_prompts else 0,
+            f"{n_prompts} prompts x (5 x 4B + 1B) + {n_groups} buckets x 4B, replicated",
+            "state")
+  lines.add("prompt pool", n_prompts * (pw + t_new + 3) * 4,
+            f"{n_prompts} x (P={pw} + A={t_new} + 3) x 4B, replicated", "state")
+  rep = spec.replay
   if rep is not None:
     ring = jax.eval_shape(lambda: replay_lib.ReplayState.init(rep.capacity, pw, t_new))
-    ring_dev = sum(_cdiv(_nbytes(x), nb) if x.ndim else _nbytes(x)
+    ring_dev = sum(_cdiv(_nbytes(x), run.nb) if x.ndim else _nbytes(x)
                    for x in jax.tree.leaves(ring))
-    add("replay ring", ring_dev,
-        f"capacity {rep.capacity} x ((P={pw} + 2T) x 4B + 37B) / {nb} batch devices", "state",
-        _HINT_REPLAY)
+    lines.add("replay ring", ring_dev,
+              f"capacity {rep.capacity} x ((P={pw} + 2T) x 4B + 37B) / {run.nb} batch devices",
+              "state", _HINT_REPLAY)
 
-  # ---- rollout: the step's sampler.
-  rows = sel.groups_sampled_factor * int(rl.prompts_per_step) * g
-  local = _cdiv(rows, nb)
+
+# ---- rollout and eval: the run's sampler.
+
+
+def _sampler_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
+  """The step's sampler (rollout) and rlx.evaluate.Evaluator's (eval): it decodes
+  `sampler.eval_batch_size` prompts at a time with the run's sampler (greedy); paged: every
+  prompt once (group_size=1), per shard."""
+  s, cfg, nb, pw, c = run.spec.sampler, run.cfg, run.nb, run.pw, run.c
+  sp = s.sampling(eos_id=0, pad_id=0)
+  g = int(run.spec.rl.group_size)
+  local = _cdiv(run.spec.selection.groups_sampled_factor * int(run.spec.rl.prompts_per_step)
+                * g, nb)
+  eval_local = _cdiv(int(s.eval_batch_size), nb)
   # The paged sampler runs per batch shard under shard_map and reads the params replicated
   # (P()): FSDP-split params are all-gathered once per call, in the dtype sampled with.
   gathered = None
-  if nb > 1 and params_dev < params_full:
-    gathered = (sample_full, sample_dtype, _HINT_BF16 if lc is None else _HINT_LORA_BF16)
+  if nb > 1 and weights.params_dev < weights.params_full:
+    gathered = (weights.sample_full, weights.sample_dtype,
+                _HINT_BF16 if run.spec.lora is None else _HINT_LORA_BF16)
   if s.impl == "paged":
-    _paged_sampler(add, cfg, "sampler", local, math.gcd(g, local), pw, sp, s.paged,
-                   "rollout", c, _HINT_POOL, gathered)
+    paged_lines = memory_model.paged_sampler_lines
+    paged_lines(lines.add, cfg, "sampler", local, math.gcd(g, local), pw, sp, s.paged,
+                "rollout", c, _HINT_POOL, gathered)
+    paged_lines(lines.add, cfg, "eval sampler", eval_local, 1, pw, sp, s.paged, "eval", c,
+                _HINT_EVAL, gathered)
   else:
-    _dense_sampler(add, cfg, "sampler", local, pw, t_new, "rollout", c, _HINT_PROMPTS)
+    dense_lines = memory_model.dense_sampler_lines
+    dense_lines(lines.add, cfg, "sampler", local, pw, run.t_new, "rollout", c, _HINT_PROMPTS)
+    dense_lines(lines.add, cfg, "eval sampler", eval_local, pw, run.t_new, "eval", c,
+                _HINT_EVAL)
 
-  # ---- eval: rlx.evaluate.Evaluator decodes `sampler.eval_batch_size` prompts at a time
-  # with the run's sampler (greedy); paged: every prompt once (group_size=1), per shard.
-  eval_local = _cdiv(int(s.eval_batch_size), nb)
-  if s.impl == "paged":
-    _paged_sampler(add, cfg, "eval sampler", eval_local, 1, pw, sp, s.paged, "eval", c,
-                   _HINT_EVAL, gathered)
-  else:
-    _dense_sampler(add, cfg, "eval sampler", eval_local, pw, t_new, "eval", c, _HINT_EVAL)
 
-  # ---- LoRA, merged for sampling: W + scale * A @ B for every adapted matrix, in the base
-  # dtype and split like the base, built once per rollout (and per eval); the product is
-  # formed in f32 one matrix at a time.
-  if lc is not None and lc.merge_for_sampling:
-    mdt = jnp.dtype(lc.merge_dtype) if lc.merge_dtype else bdt  # the wider of base, compute
-    merged = sum(math.prod(base_splits[t][0].shape) * mdt.itemsize // base_splits[t][1]
-                 for t in targets)
-    big_t = max(targets, key=lambda t: _nbytes(base_splits[t][0]) // base_splits[t][1])
-    big_leaf, big_s = base_splits[big_t]
-    delta = math.prod(big_leaf.shape) * 4 // big_s
-    for phase in ("rollout", "eval"):
-      add(f"merged adapted weights ({phase})", merged + delta,
-          f"{len(targets)} matrices x {mdt.itemsize}B ({mdt.name}) split like the base + f32 A@B of "
-          f"{big_t} {tuple(big_leaf.shape)}", phase, _HINT_MERGE)
+def _merged_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
+  """LoRA merged for sampling: W + scale * A @ B for every adapted matrix, in the base dtype
+  and split like the base, built once per rollout (and per eval); the product is formed in
+  f32 one matrix at a time."""
+  lc = run.spec.lora
+  if lc is None or not lc.merge_for_sampling:
+    return
+  base_splits, targets = weights.base_splits, weights.targets
+  # The wider of base and compute dtype.
+  mdt = jnp.dtype(lc.merge_dtype) if lc.merge_dtype else weights.base_dtype
+  merged = sum(math.prod(base_splits[t][0].shape) * mdt.itemsize // base_splits[t][1]
+               for t in targets)
+  big_t = max(targets, key=lambda t: _nbytes(base_splits[t][0]) // base_splits[t][1])
+  big_leaf, big_s = base_splits[big_t]
+  delta = math.prod(big_leaf.shape) * 4 // big_s
+  for phase in ("rollout", "eval"):
+    lines.add(f"merged adapted weights ({phase})", merged + delta,
+              f"{len(targets)} matrices x {mdt.itemsize}B ({mdt.name}) split like the base + "
+              f"f32 A@B of {big_t} {tuple(big_leaf.shape)}", phase, _HINT_MERGE)
 
-  # ---- update (rlx.train.update): log-probs only at the T completion positions, chunk by
-  # chunk; pi_old from the first minibatch's gradient pass (a forward pass runs only for the
-  # other minibatches, and for the KL reference), one minibatch live at a time.
-  rl_spec = spec.rl
-  train_rows = int(rl.prompts_per_step) * g + (rep.num_samples if rep else 0)
+
+# ---- update (rlx.train.update): log-probs only at the T completion positions, chunk by
+# chunk; pi_old from the first minibatch's gradient pass (a forward pass runs only for the
+# other minibatches, and for the KL reference), one minibatch live at a time.
+
+
+def _logprob_chunk(run: _Run) -> tuple[int, str]:
+  """(completion positions whose f32 logits are live at once, how to say it)."""
+  chunk = run.spec.rl.logprob_chunk
+  c_lp = min(chunk, run.t_new) if chunk else run.t_new
+  return c_lp, (f"chunk {c_lp} of T={run.t_new}" if c_lp < run.t_new else f"T={run.t_new}")
+
+
+def _logp_lines(run: _Run, lines: _Lines) -> int:
+  """The training batch and the no-grad forward passes; returns the rows of the minibatch
+  (or accumulation micro-batch) whose activations are live on one device."""
+  rl, cfg, nb, pw, t_new, seq, c = (run.spec.rl, run.cfg, run.nb, run.pw, run.t_new, run.seq,
+                                    run.c)
+  rep, loss = run.spec.replay, rl.loss
+  train_rows = int(rl.prompts_per_step) * int(rl.group_size) + (rep.num_samples if rep else 0)
   rows_dev = _cdiv(train_rows, nb)
   mb_rows = _cdiv(train_rows, int(rl.num_minibatches) * nb)
-  c_lp = min(rl_spec.logprob_chunk, t_new) if rl_spec.logprob_chunk else t_new
-  chunk_note = (f"chunk {c_lp} of T={t_new}" if c_lp < t_new else f"T={t_new}")
   logp_copies = 3 if loss.kl_coef > 0 else 2  # behaviour, old (and ref) log-probs
   per_row = pw * 4 + t_new * (4 + 4 * logp_copies + 1) + 12 * 4
-  add("training batch (+ minibatch copy)", 2 * rows_dev * per_row,
-      f"2 x {rows_dev} rows x (P*4 + T*{4 + 4 * logp_copies + 1} + 48)B", "update")
-  micro = rl_spec.update_micro_rows
+  lines.add("training batch (+ minibatch copy)", 2 * rows_dev * per_row,
+            f"2 x {rows_dev} rows x (P*4 + T*{4 + 4 * logp_copies + 1} + 48)B", "update")
+  micro = rl.update_micro_rows
   if int(rl.num_minibatches) == 1 and 0 < micro < train_rows:
     # Gradient accumulation (`train.update_shape`): one micro-batch's activations live at a
     # time, the fewest equal parts of <= micro rows that split over the batch devices.
-    mb_rows = _cdiv(train_rows // train.micro_parts(
-        train_rows, micro, nb, rl_spec.update_parts), nb)
+    mb_rows = _cdiv(train_rows // train.micro_parts(train_rows, micro, nb, rl.update_parts),
+                    nb)
   forward_passes = []
-  if not rl_spec.fuse_pi_old or int(rl.num_minibatches) > 1:
+  if not rl.fuse_pi_old or int(rl.num_minibatches) > 1:
     forward_passes.append("pi_old")
   if loss.kl_coef > 0:
     forward_passes.append("reference")
-  one_layer = (mb_rows * seq * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
-               + mb_rows * hq * seq * seq * 8)
   if forward_passes:
-    add(f"{' + '.join(forward_passes)} forward (one minibatch, no grad)",
-        max(mb_rows * c_lp * V * 4 * _LOGITS_FWD_COPIES, one_layer) + mb_rows * seq * d * c,
-        f"max({mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_FWD_COPIES}, one layer) "
-        "+ hidden", "logp", _HINT_MINIBATCH, estimate=True)
+    d, hq, hkv, hd, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    c_lp, chunk_note = _logprob_chunk(run)
+    one_layer = (mb_rows * seq * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
+                 + mb_rows * hq * seq * seq * 8)
+    lines.add(f"{' + '.join(forward_passes)} forward (one minibatch, no grad)",
+              max(mb_rows * c_lp * V * 4 * _LOGITS_FWD_COPIES, one_layer) + mb_rows * seq * d * c,
+              f"max({mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_FWD_COPIES}, one "
+              "layer) + hidden", "logp", _HINT_MINIBATCH, estimate=True)
+  return mb_rows
+
+
+def _grad_lines(run: _Run, weights: _Weights, mb_rows: int, lines: _Lines,
+                remat_realised: bool | None) -> None:
+  """One minibatch's backward: gradients, saved activations, f32 logits, FSDP gathers."""
+  rl, cfg, seq, c, lc = run.spec.rl, run.cfg, run.seq, run.c, run.spec.lora
   if lc is None:
-    add("gradients", params_dev, "= params (param dtype, reduce-scattered like params)",
-        "grad", f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
+    lines.add("gradients", weights.params_dev,
+              "= params (param dtype, reduce-scattered like params)", "grad",
+              f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
   else:
-    add("gradients (adapters)", ad_bytes,
-        "= adapters (f32, replicated); the frozen base gets none", "grad", _HINT_LORA_RANK)
-  per_tok, layer_formula = _layer_activation_bytes(cfg, seq, lora_act // L if lc else 0)
-  tokens_mb = mb_rows * seq
+    lines.add("gradients (adapters)", weights.adapter_bytes,
+              "= adapters (f32, replicated); the frozen base gets none", "grad",
+              _HINT_LORA_RANK)
   if remat_realised is None:
-    remat_realised = bool(rl_spec.remat) and jax.default_backend() != "cpu"
-  # Above the layers: the final norm's output (c) and f32 input, the embedding output, and
-  # one layer's backward score temporaries (f32): two [Hq, S] per token under autodiff of
-  # dot_attention, one (dP; P itself is a saved residual) under keys_major_attention.
-  score_tmp = 4 if transformer.uses_keys_major(seq) else 8
-  top = 2 * d * c + d * 4 + hq * seq * score_tmp + head_act
-  if remat_realised and rl_spec.remat:
-    # Layer inputs [tokens, d] kept; the backward rebuilds one layer at a time.
-    saved = tokens_mb * (L * d * c + per_tok + top)
-    saved_formula = (f"{mb_rows} rows x S={seq} x (remat: L={L} layer inputs x d x {c}B "
-                     f"+ one layer {layer_formula})")
-    hint = _HINT_MINIBATCH
-  else:
-    # No remat, or XLA:CPU (measured to realise almost none of rl.remat's saving).
-    saved = tokens_mb * (L * per_tok + top)
-    saved_formula = f"{mb_rows} rows x S={seq} x L={L} x {layer_formula}"
-    if rl_spec.remat:
-      saved_formula += " (rl.remat not realised on this backend)"
-    hint = f"{_HINT_REMAT}; {_HINT_MINIBATCH}"
-  add("saved activations (backward)", saved + mb_rows * seq * seq,
-      saved_formula + " + one layer's score grads", "grad", hint, estimate=True)
+    remat_realised = bool(rl.remat) and jax.default_backend() != "cpu"
+  saved, saved_formula = memory_model.saved_activation_bytes(
+      cfg, seq, mb_rows, lora_extra=weights.lora_act // cfg.num_layers,
+      head_extra=weights.head_act, remat=bool(rl.remat), remat_realised=remat_realised)
+  hint = (_HINT_MINIBATCH if remat_realised and rl.remat else
+          f"{_HINT_REMAT}; {_HINT_MINIBATCH}")
+  lines.add("saved activations (backward)", saved + mb_rows * seq * seq,
+            saved_formula + " + one layer's score grads", "grad", hint, estimate=True)
+  c_lp, chunk_note = _logprob_chunk(run)
+  V, head_act = cfg.vocab_size, weights.head_act
   copies = _LOGITS_GRAD_COPIES + (1 if head_act else 0)  # adapted lm_head: xW, s(xA)B apart
-  add(f"f32 logits x{copies} (minibatch)",
-      mb_rows * c_lp * V * 4 * copies,
-      f"{mb_rows} rows x {chunk_note} x V={V} x 4B x{copies} (logits, "
-      f"logsumexp / its grad{', adapted lm_head' if head_act else ''})", "grad",
-      f"config.rl.logprob_chunk (e.g. 128); {_HINT_MINIBATCH}", estimate=True)
-  big_name, (big, big_split) = max(splits.items(), key=lambda kv: _nbytes(kv[1][0]))
+  lines.add(f"f32 logits x{copies} (minibatch)", mb_rows * c_lp * V * 4 * copies,
+            f"{mb_rows} rows x {chunk_note} x V={V} x 4B x{copies} (logits, "
+            f"logsumexp / its grad{', adapted lm_head' if head_act else ''})", "grad",
+            f"config.rl.logprob_chunk (e.g. 128); {_HINT_MINIBATCH}", estimate=True)
+  big_name, (big, big_split) = max(weights.splits.items(), key=lambda kv: _nbytes(kv[1][0]))
   if big_split > 1:
     n = int(math.prod(big.shape))
     if lc is None:
-      add("FSDP gather + grad partial (largest weight)", n * (c + w),
-          f"{big_name} {tuple(big.shape)} gathered ({c}B) + unreduced grad ({w}B)", "grad",
-          _HINT_BF16)
+      w = jnp.dtype(cfg.weight_dtype).itemsize
+      lines.add("FSDP gather + grad partial (largest weight)", n * (c + w),
+                f"{big_name} {tuple(big.shape)} gathered ({c}B) + unreduced grad ({w}B)",
+                "grad", _HINT_BF16)
     else:
-      add("FSDP gather (largest weight)", n * c,
-          f"{big_name} {tuple(big.shape)} gathered ({c}B); frozen: no weight gradient",
-          "grad", _HINT_FSDP)
+      lines.add("FSDP gather (largest weight)", n * c,
+                f"{big_name} {tuple(big.shape)} gathered ({c}B); frozen: no weight gradient",
+                "grad", _HINT_FSDP)
 
-  notes = (
+
+def _notes(lc: lora_lib.LoRAConfig | None, weights: _Weights, margin: float) -> tuple[str, ...]:
+  lora = ((f"LoRA r={lc.rank}, alpha={lc.alpha:g}: frozen base in {weights.base_dtype.name}, "
+           "adapters + their Adam moments f32; no full-size gradient / optimizer state; no "
+           "reference copy (the base with adapters off is the KL reference).",) if lc else ())
+  return ((
       "Exact: params, optimizer, reference params, replay ring, selector, pool (shapes + "
-      "sharding rules). KV: the samplers' own layouts.",
-  ) + ((
-      f"LoRA r={lc.rank}, alpha={lc.alpha:g}: frozen base in {bdt.name}, adapters + their "
-      "Adam moments f32; no full-size gradient / optimizer state; no reference copy (the "
-      "base with adapters off is the KL reference).",) if lc else ()) + (
+      "sharding rules). KV: the samplers' own layouts.",) + lora + (
       f"Estimated (x{margin:g} margin, config.memory.activation_margin): sampler "
       "temporaries, pi_old forward, saved activations, logits.",
       "Not modelled: XLA temporaries (fusion / collective buffers, weight casts hoisted out "
-      "of loops, FSDP all-gathers kept for the backward), compiled-code and runtime memory.",
-  )
-  return MemoryPlan(items=tuple(items), capacity_bytes=int(capacity), capacity_source=source,
-                    mesh_shape=dict(sizes), activation_margin=margin, notes=notes)
+      "of loops, FSDP all-gathers kept for the backward), compiled-code and runtime memory."))
 
 
 def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
@@ -621,68 +651,6 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
   return (dataclasses.replace(gen_full, items=tuple(gen_items), notes=note + gen_full.notes),
           dataclasses.replace(learn_full, items=tuple(learn_items),
                               notes=note + learn_full.notes))
-
-
-def _paged_sampler(add, cfg: ModelConfig, label: str, rows: int, group: int, pw: int,
-                   sp, pc: paged.PagedConfig, phase: str, c: int, hint: str,
-                   gathered: tuple[int, str, str] | None) -> None:
-  """KV page pool, all-gathered params and temporaries of rlx.sampler.paged for `rows`
-  sequences on one shard, in groups of `group` sharing a prompt (1: no sharing).
-  gathered: (bytes, dtype, hint) of the full params when shard_map all-gathers them."""
-  L, hkv, hq, hd, V = (cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
-                       cfg.vocab_size)
-  d, f, t_new = cfg.d_model, cfg.mlp_dim, sp.max_new_tokens
-  lay = paged._Layout.make(rows, group, pw, sp, pc)  # pylint: disable=protected-access
-  add(f"{label} KV pool (paged)",
-      2 * L * hkv * lay.num_pages * lay.page_size * hd * c,
-      f"2 x L={L} x Hkv={hkv} x {lay.num_pages} pages x {lay.page_size} x D={hd} x {c}B "
-      f"per shard ({rows} seqs, group {group}, {lay.slots} slots)", phase, hint)
-  if gathered is not None:
-    full, dtype, gather_hint = gathered
-    add(f"{label} params (all-gathered)", full,
-        f"paged shard_map reads params replicated: full {human(full)} ({dtype})", phase,
-        gather_hint)
-  # Transient, never live together (XLA:CPU buffer assignment, f32): one prefill chunk's
-  # layer (its attention, or its MLP's gate / up / product beside the residual); admission's
-  # partial-prompt-page copy, which reads one page per slot from every layer's K and V pool
-  # (all 2L reads live at once, even with group 1 where nothing is copied); one decode layer's
-  # attention over the slots (the "reference" kernel gathers each slot's pages: K and,
-  # promoted to f32, V, [S, M pages x page size, Hkv, D], plus f32 scores); or the decode
-  # logits. Persistent: the outputs (tokens, log-probs) and each group's last hidden state.
-  chunk, slots = lay.prefill_chunk, lay.slots
-  ctx = lay.pages_per_seq * lay.page_size
-  prefill = chunk * pw * max(hq * pw * 8 + 4 * d * c, (d + 3 * f) * c)
-  admit = 2 * L * hkv * slots * lay.page_size * hd * c
-  gathers = pc.attention_impl == "reference" or (
-      pc.attention_impl == "pallas" and jax.default_backend() == "cpu")
-  attn = slots * hq * ctx * 4 + (slots * hkv * ctx * hd * (c + 4) if gathers else 0)
-  logits = slots * V * 4 * 3
-  persistent = rows * t_new * 8 + lay.num_groups * d * c
-  attn_formula = (f"{slots} slots x ctx={ctx} x (Hkv*D*({c}+4)B gathered K,V + Hq*4B)"
-                  if gathers else f"{slots} slots x ctx={ctx} x Hq*4B")
-  add(f"{label} temporaries (paged)", max(prefill, admit, attn, logits) + persistent,
-      f"max(prefill {chunk} prompts x P={pw} x max(Hq*P*8B + 4d*{c}B, (d+3F)*{c}B), admit "
-      f"page copy 2L x {slots} slots x Hkv*{lay.page_size}*D*{c}B, decode attention "
-      f"{attn_formula} ({pc.attention_impl}), {slots} slots x V x 4B x3) + outputs",
-      phase, hint, estimate=True)
-
-
-def _dense_sampler(add, cfg: ModelConfig, label: str, rows: int, pw: int, t_new: int,
-                   phase: str, c: int, hint: str) -> None:
-  """KV cache and temporaries of rlx.sampler.dense for `rows` sequences on one device."""
-  seq = pw + t_new
-  L, hkv, hq, hd, V = (cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim,
-                       cfg.vocab_size)
-  d, f = cfg.d_model, cfg.mlp_dim
-  add(f"{label} KV cache (dense)", 2 * L * rows * seq * hkv * hd * c + rows * seq * 4,
-      f"2 x L={L} x {rows} rows x S={seq} x Hkv={hkv} x D={hd} x {c}B + key_pos", phase, hint)
-  # Prefill returns logits for every prompt position; one layer's activations live.
-  tmp = (rows * pw * V * 4 + rows * hq * pw * pw * 8 + rows * pw * (4 * d + 3 * f) * c
-         + rows * V * 4 * 3 + rows * t_new * 8)
-  add(f"{label} temporaries (dense)", tmp,
-      f"prefill: logits {rows} x P={pw} x V={V} x 4B, one layer (Hq*P^2*8B + "
-      f"P*(4d+3F)*{c}B)/row; decode logits x3",
-      phase, hint, estimate=True)
 
 
 # ----------------------------------------------------------------------------- report
