@@ -211,101 +211,21 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32",
   if not isinstance(hf_config, Mapping):
     raise ValueError(f"{where} holds a JSON {_json_type(hf_config)}, expected an object.")
   arch, family = _family_of(hf_config, where)
-  c = dict(hf_config)
-  if arch == "Gemma3ForConditionalGeneration" or (
-      family == "gemma3" and "text_config" in c and "hidden_size" not in c):
-    text = c.get("text_config") or {}
-    if not isinstance(text, Mapping):
-      raise ValueError(f"{where}: text_config holds a JSON {_json_type(text)}, expected an "
-                       "object.")
-    text = dict(text)
-    text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", True))
-    c = text
-  c = {**_DEFAULTS[family], **{k: v for k, v in c.items() if v is not None or k in (
-      "sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}}
+  c = _text_config(hf_config, arch, family, where)
   here = f"{where} ({arch})"
-
-  def need(key):
-    if key not in c:
-      raise ValueError(f"{here} has no {key!r}.")
-    return c[key]
-
-  def size(key):
-    return _positive(need(key), key, here)
-
-  def number(key):  # a positive float, or None where the key is unset / null / 0
-    return _positive(c[key], key, here, float) if c.get(key) else None
-
-  if c.get("use_bidirectional_attention"):
-    raise ValueError(f"{here}: use_bidirectional_attention=True is not supported "
-                     "(rlx models are causal).")
-  if c.get("mlp_bias") or (family in ("llama", "qwen3", "gemma", "gemma2", "gemma3")
-                           and c.get("attention_bias")):
-    raise ValueError(f"{here}: attention_bias / mlp_bias are not supported "
-                     "(rlx has q/k/v biases only, as in Qwen2).")
-  act_key = "hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act"
-  act = c.get(act_key) or c.get("hidden_act")
-  if family == "gemma" and act == "gelu":  # old Gemma configs; HF means the tanh approximation
-    act = "gelu_pytorch_tanh"
-  if not isinstance(act, str) or act not in _ACTIVATIONS:
-    raise ValueError(f"{here}: {act_key}={act!r} is not supported; supported "
-                     f"activations are {sorted(_ACTIVATIONS)}.")
-
-  vocab_size = size("vocab_size")
-  num_layers = size("num_hidden_layers")
-  num_heads = size("num_attention_heads")
-  d_model = size("hidden_size")
-  mlp_dim = size("intermediate_size")
-  max_position = size("max_position_embeddings")
-  num_kv_heads = c.get("num_key_value_heads")
-  num_kv_heads = num_heads if num_kv_heads is None else size("num_key_value_heads")
-  if num_heads % num_kv_heads:
-    raise ValueError(f"{here}: num_attention_heads={num_heads} is not a multiple of "
-                     f"num_key_value_heads={num_kv_heads}.")
-  if c.get("head_dim") in (None, 0):  # as transformers: head_dim or hidden_size // heads
-    if d_model % num_heads:
-      raise ValueError(f"{here}: hidden_size={d_model} is not a multiple of "
-                       f"num_attention_heads={num_heads}, and there is no head_dim.")
-    head_dim = d_model // num_heads
-  else:
-    head_dim = size("head_dim")
+  act = _activation(c, family, here)
+  shapes = _shapes(c, here)
   norm_eps = _positive(c["rms_norm_eps"], "rms_norm_eps", here, float)
-  layer_types = _layer_types(family, c, num_layers, here)
-
-  # Rope: transformers 5 writes `rope_parameters` (nested per layer type for Gemma 3);
-  # older files have top-level rope_theta / rope_scaling / rope_local_base_freq.
-  rp = c.get("rope_parameters")
-  if rp is not None and not isinstance(rp, Mapping):
-    raise ValueError(f"{here}: rope_parameters holds a JSON {_json_type(rp)}, expected an "
-                     "object.")
-  rope_local_theta = None
-  if family == "gemma3":
-    rp = rp or {}
-    full = rp.get("full_attention") if "full_attention" in rp else (
-        rp or c.get("rope_scaling"))
-    rope = _rope(full, c["rope_theta"], f"{here} full_attention rope")
-    local = _rope(rp.get("sliding_attention") or {}, c["rope_local_base_freq"],
-                  f"{here} sliding_attention rope")
-    if local["rope_scaling"] != "none":
-      raise ValueError(f"{here}: rope scaling on sliding layers is not supported.")
-    rope_local_theta = local["rope_theta"]
-  else:
-    rope = _rope(rp if rp else c.get("rope_scaling"), c["rope_theta"], here)
-
+  layer_types = _layer_types(family, c, shapes["num_layers"], here)
+  rope, rope_local_theta = _rope_fields(c, family, here)
   is_gemma = family.startswith("gemma")
-  qpas = number("query_pre_attn_scalar") if family in ("gemma2", "gemma3") else None
-  attn_softcap = number("attn_logit_softcapping")
-  final_softcap = number("final_logit_softcapping")
-  sliding_window = size("sliding_window") if layer_types else None
+  qpas = _number(c, "query_pre_attn_scalar", here) if family in ("gemma2", "gemma3") else None
+  attn_softcap = _number(c, "attn_logit_softcapping", here)
+  final_softcap = _number(c, "final_logit_softcapping", here)
+  sliding_window = _size(c, "sliding_window", here) if layer_types else None
   try:
     return ModelConfig(
-        vocab_size=vocab_size,
-        num_layers=num_layers,
-        d_model=d_model,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        mlp_dim=mlp_dim,
+        **shapes,
         activation=_ACTIVATIONS[act],
         norm_eps=norm_eps,
         norm_plus_one=is_gemma,
@@ -321,13 +241,110 @@ def config_from_hf(hf_config: Mapping[str, Any], *, dtype: str = "float32",
         sliding_window=sliding_window,
         layer_types=layer_types,
         rope_local_theta=rope_local_theta if layer_types else None,
-        max_position=max_position,
         dtype=dtype,
         param_dtype=param_dtype or dtype,
         **rope,
     )
   except ValueError as e:  # what the checks above do not catch; say which file it came from
     raise ValueError(f"{here}: {e}") from e
+
+
+def _text_config(hf_config: Mapping[str, Any], arch: str, family: str,
+                 where: str) -> dict[str, Any]:
+  """The language model's keys (a Gemma 3 multimodal file nests them in text_config), over
+  the family's defaults for the keys its files may leave out or set to null."""
+  c = dict(hf_config)
+  if arch == "Gemma3ForConditionalGeneration" or (
+      family == "gemma3" and "text_config" in c and "hidden_size" not in c):
+    text = c.get("text_config") or {}
+    if not isinstance(text, Mapping):
+      raise ValueError(f"{where}: text_config holds a JSON {_json_type(text)}, expected an "
+                       "object.")
+    text = dict(text)
+    text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", True))
+    c = text
+  return {**_DEFAULTS[family], **{k: v for k, v in c.items() if v is not None or k in (
+      "sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}}
+
+
+def _size(c: Mapping[str, Any], key: str, here: str) -> int:
+  """c[key], which must be there and be a positive integer."""
+  if key not in c:
+    raise ValueError(f"{here} has no {key!r}.")
+  return _positive(c[key], key, here)
+
+
+def _number(c: Mapping[str, Any], key: str, here: str) -> float | None:
+  """A positive float, or None where the key is unset / null / 0."""
+  return _positive(c[key], key, here, float) if c.get(key) else None
+
+
+def _activation(c: Mapping[str, Any], family: str, here: str) -> str:
+  """The MLP's activation (a key of _ACTIVATIONS), after refusing what rlx does not model."""
+  if c.get("use_bidirectional_attention"):
+    raise ValueError(f"{here}: use_bidirectional_attention=True is not supported "
+                     "(rlx models are causal).")
+  if c.get("mlp_bias") or (family in ("llama", "qwen3", "gemma", "gemma2", "gemma3")
+                           and c.get("attention_bias")):
+    raise ValueError(f"{here}: attention_bias / mlp_bias are not supported "
+                     "(rlx has q/k/v biases only, as in Qwen2).")
+  act_key = "hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act"
+  act = c.get(act_key) or c.get("hidden_act")
+  if family == "gemma" and act == "gelu":  # old Gemma configs; HF means the tanh approximation
+    act = "gelu_pytorch_tanh"
+  if not isinstance(act, str) or act not in _ACTIVATIONS:
+    raise ValueError(f"{here}: {act_key}={act!r} is not supported; supported "
+                     f"activations are {sorted(_ACTIVATIONS)}.")
+  return act
+
+
+def _shapes(c: Mapping[str, Any], here: str) -> dict[str, int]:
+  """The ModelConfig sizes: vocabulary, layers, widths, heads, positions."""
+  vocab_size = _size(c, "vocab_size", here)
+  num_layers = _size(c, "num_hidden_layers", here)
+  num_heads = _size(c, "num_attention_heads", here)
+  d_model = _size(c, "hidden_size", here)
+  mlp_dim = _size(c, "intermediate_size", here)
+  max_position = _size(c, "max_position_embeddings", here)
+  num_kv_heads = c.get("num_key_value_heads")
+  num_kv_heads = num_heads if num_kv_heads is None else _size(c, "num_key_value_heads", here)
+  if num_heads % num_kv_heads:
+    raise ValueError(f"{here}: num_attention_heads={num_heads} is not a multiple of "
+                     f"num_key_value_heads={num_kv_heads}.")
+  if c.get("head_dim") in (None, 0):  # as transformers: head_dim or hidden_size // heads
+    if d_model % num_heads:
+      raise ValueError(f"{here}: hidden_size={d_model} is not a multiple of "
+                       f"num_attention_heads={num_heads}, and there is no head_dim.")
+    head_dim = d_model // num_heads
+  else:
+    head_dim = _size(c, "head_dim", here)
+  return dict(vocab_size=vocab_size, num_layers=num_layers, d_model=d_model,
+              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+              mlp_dim=mlp_dim, max_position=max_position)
+
+
+def _rope_fields(c: Mapping[str, Any], family: str,
+                 here: str) -> tuple[dict[str, Any], float | None]:
+  """(the ModelConfig rope fields, Gemma 3's sliding-layer rope theta or None).
+
+  transformers 5 writes `rope_parameters` (nested per layer type for Gemma 3); older files
+  have top-level rope_theta / rope_scaling / rope_local_base_freq.
+  """
+  rp = c.get("rope_parameters")
+  if rp is not None and not isinstance(rp, Mapping):
+    raise ValueError(f"{here}: rope_parameters holds a JSON {_json_type(rp)}, expected an "
+                     "object.")
+  if family != "gemma3":
+    return _rope(rp if rp else c.get("rope_scaling"), c["rope_theta"], here), None
+  rp = rp or {}
+  full = rp.get("full_attention") if "full_attention" in rp else (
+      rp or c.get("rope_scaling"))
+  rope = _rope(full, c["rope_theta"], f"{here} full_attention rope")
+  local = _rope(rp.get("sliding_attention") or {}, c["rope_local_base_freq"],
+                f"{here} sliding_attention rope")
+  if local["rope_scaling"] != "none":
+    raise ValueError(f"{here}: rope scaling on sliding layers is not supported.")
+  return rope, local["rope_theta"]
 
 
 def infer_family(cfg: ModelConfig) -> str:

@@ -66,6 +66,15 @@ def _read_header(path: str) -> dict[str, _TensorInfo]:
   whose byte ranges, sorted by start, tile the data section exactly (no gap, no overlap,
   nothing past the end), each holding prod(shape) * itemsize bytes.
   """
+  header, n, size = _header_json(path)
+  spans = sorted((*_tensor_span(name, meta, path), name) for name, meta in header.items())
+  _check_tiling(spans, path, n, size)
+  return {name: _TensorInfo(path, header[name]["dtype"], tuple(header[name]["shape"]),
+                            8 + n + begin, end - begin) for begin, end, name in spans}
+
+
+def _header_json(path: str) -> tuple[dict[str, Any], int, int]:
+  """(the header's tensor entries, without __metadata__; the header's length; the file's)."""
   size = os.path.getsize(path)
   with open(path, "rb") as f:
     raw = f.read(8)
@@ -92,34 +101,41 @@ def _read_header(path: str) -> dict[str, _TensorInfo]:
   if metadata is not None and not isinstance(metadata, dict):
     raise ValueError(f"{bad}: __metadata__ is a JSON {_json_type(metadata)}, expected an "
                      "object.")
+  return header, n, size
+
+
+def _tensor_span(name: str, meta: Any, path: str) -> tuple[int, int]:
+  """A header entry's data_offsets (begin, end), once dtype, shape and size are checked."""
+  where = f"Tensor {name!r} in {path}"
+  if not isinstance(meta, dict):
+    raise ValueError(f"{where} is described by a JSON {_json_type(meta)}, expected an object "
+                     "with dtype, shape and data_offsets.")
+  for key in ("dtype", "shape", "data_offsets"):
+    if key not in meta:
+      raise ValueError(f"{where} has no {key!r} in the safetensors header.")
+  dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+  if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
+    raise ValueError(f"{where} has dtype {dtype!r}; safetensors dtypes are "
+                     f"{sorted(_ST_ITEMSIZE)}.")
+  if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    raise ValueError(f"{where} has shape {shape!r}, expected a list of non-negative "
+                     "integers.")
+  if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets))
+      or offsets[0] < 0 or offsets[1] < offsets[0]):
+    raise ValueError(f"{where} has data_offsets {offsets!r}, expected [begin, end] with "
+                     "0 <= begin <= end.")
+  begin, end = offsets
+  nbytes = math.prod(shape) * _ST_ITEMSIZE[dtype]
+  if end - begin != nbytes:
+    raise ValueError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but "
+                     f"{dtype}{shape} needs {nbytes}.")
+  return begin, end
+
+
+def _check_tiling(spans: list[tuple[int, int, str]], path: str, n: int, size: int) -> None:
+  """The (begin, end, name) spans, sorted, must tile the data section after the n-byte
+  header of a size-byte file exactly."""
   data_size = size - 8 - n
-  spans = []  # (begin, end, name)
-  for name, meta in header.items():
-    where = f"Tensor {name!r} in {path}"
-    if not isinstance(meta, dict):
-      raise ValueError(f"{where} is described by a JSON {_json_type(meta)}, expected an object "
-                       "with dtype, shape and data_offsets.")
-    for key in ("dtype", "shape", "data_offsets"):
-      if key not in meta:
-        raise ValueError(f"{where} has no {key!r} in the safetensors header.")
-    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in _ST_ITEMSIZE:
-      raise ValueError(f"{where} has dtype {dtype!r}; safetensors dtypes are "
-                       f"{sorted(_ST_ITEMSIZE)}.")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-      raise ValueError(f"{where} has shape {shape!r}, expected a list of non-negative "
-                       "integers.")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets))
-        or offsets[0] < 0 or offsets[1] < offsets[0]):
-      raise ValueError(f"{where} has data_offsets {offsets!r}, expected [begin, end] with "
-                       "0 <= begin <= end.")
-    begin, end = offsets
-    nbytes = math.prod(shape) * _ST_ITEMSIZE[dtype]
-    if end - begin != nbytes:
-      raise ValueError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, but "
-                       f"{dtype}{shape} needs {nbytes}.")
-    spans.append((begin, end, name))
-  spans.sort()
   last = max(spans, key=lambda s: s[1], default=(0, 0, None))
   if last[1] > data_size:
     raise ValueError(f"Checkpoint file {path} is truncated: its header describes "
@@ -138,8 +154,6 @@ def _read_header(path: str) -> dict[str, _TensorInfo]:
   if expected != data_size:
     raise ValueError(f"Checkpoint file {path} has {data_size - expected} bytes after its last "
                      "tensor; expected the tensors to fill the data section exactly.")
-  return {name: _TensorInfo(path, header[name]["dtype"], tuple(header[name]["shape"]),
-                            8 + n + begin, end - begin) for begin, end, name in spans}
 
 
 def _read_rows(f, info: _TensorInfo, start: int, stop: int) -> np.ndarray:
