@@ -35,6 +35,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import sentencepiece as spm
 
+from rlx.data.sentencepiece_to_hf import sentencepiece_to_tokenizers
+
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -526,89 +528,6 @@ class Tokenizer(_Common):
                         ("special_tokens_map.json", special)):
       with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
         json.dump(value, f, indent=2, ensure_ascii=False)
-
-
-def sentencepiece_to_tokenizers(model_proto: bytes):
-  """A sentencepiece model (BPE or unigram) as a `tokenizers.Tokenizer` that encodes as
-  `SentencePieceProcessor.encode` does, and decodes as its decode (control and unknown
-  pieces dropped).
-
-  The conversion transformers makes for a sentencepiece file with no tokenizer class of its
-  own: the normalizer spec (precompiled charmap, extra-whitespace removal, whitespace
-  escaping, dummy prefix), BPE merges ranked by piece score, user-defined pieces emitted
-  whole, control pieces as special tokens, the unknown piece decoded as sentencepiece shows
-  it (" ⁇ "). No post-processor: bos is the caller's choice.
-  """
-  # pylint: disable=g-import-not-at-top
-  import tokenizers
-  from tokenizers import decoders, normalizers, pre_tokenizers
-  from sentencepiece import sentencepiece_model_pb2
-  proto = sentencepiece_model_pb2.ModelProto()
-  proto.ParseFromString(model_proto)
-  trainer, norm = proto.trainer_spec, proto.normalizer_spec
-  pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
-  normal, control, user = 1, 3, 4  # ModelProto.SentencePiece.Type
-  unk_piece = pieces[trainer.unk_id][0] if 0 <= trainer.unk_id < len(pieces) else None
-  user_defined = [p for p, _, t in pieces if t == user]
-  if trainer.model_type == 2:  # BPE
-    vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
-    scored = {p: (s, i) for i, (p, s, t) in enumerate(pieces) if t == normal}
-    ranked = sorted((-scored[p][0], scored[p][1], p[:k], p[k:]) for p in scored
-                    for k in range(1, len(p)) if p[:k] in scored and p[k:] in scored)
-    model = tokenizers.models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in ranked],
-                                  unk_token=unk_piece, fuse_unk=True,
-                                  byte_fallback=trainer.byte_fallback,
-                                  ignore_merges=bool(user_defined))
-  elif trainer.model_type == 1:  # unigram
-    model = tokenizers.models.Unigram([(p, s) for p, s, _ in pieces], unk_id=trainer.unk_id,
-                                      byte_fallback=trainer.byte_fallback)
-  else:
-    raise ValueError(f"sentencepiece model_type {trainer.model_type} (char / word) has no "
-                     "tokenizers conversion; expected BPE or unigram.")
-  tok = tokenizers.Tokenizer(model)
-  steps = []
-  if norm.precompiled_charsmap:
-    steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
-  if norm.remove_extra_whitespaces:  # spaces only: sentencepiece leaves newlines alone
-    steps += [normalizers.Replace(tokenizers.Regex(r"\A +| +\z"), ""),
-              normalizers.Replace(tokenizers.Regex(" {2,}"), " ")]
-  if norm.escape_whitespaces:
-    steps.append(normalizers.Replace(" ", "▁"))
-  if norm.add_dummy_prefix:  # Metaspace adds no prefix where one is, sentencepiece always does
-    steps.append(normalizers.Replace(tokenizers.Regex(r"\A▁"), "▁▁"))
-  tok.normalizer = normalizers.Sequence(steps)
-  pre = []
-  if norm.add_dummy_prefix:
-    pre.append(pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=False))
-  if user_defined:  # matched whole, never merged, wherever they are
-    pre.append(pre_tokenizers.Split(tokenizers.Regex("|".join(
-        re.escape(p) for p in sorted(user_defined, key=len, reverse=True))), "isolated"))
-  if pre:
-    tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
-  # sentencepiece's decode: the unknown piece shows as " ⁇ " (spaces included, also at the
-  # start; "⁇" is in no piece, NFKC makes it "??"), and, while nothing has been output, each
-  # piece loses a leading "▁" (so a lone "▁" piece there vanishes) when the model adds a
-  # dummy prefix or removes extra whitespace. U+E000 marks a lone "▁" piece until then.
-  strip = norm.add_dummy_prefix or norm.remove_extra_whitespaces
-  dec = [decoders.Replace(unk_piece, "\u2047")] if unk_piece else []
-  if strip:
-    dec.append(decoders.Replace(tokenizers.Regex(r"\A▁\z"), "\ue000"))
-  dec.append(decoders.Replace("▁", " "))
-  if trainer.byte_fallback:
-    dec.append(decoders.ByteFallback())
-  if strip or trainer.byte_fallback or unk_piece:
-    dec.append(decoders.Fuse())  # one string: the replacements below act on the whole text
-  if strip:
-    dec += [decoders.Replace(tokenizers.Regex("\\A\ue000* ?"), ""),
-            decoders.Replace("\ue000", " ")]
-  if unk_piece:
-    dec.append(decoders.Replace("\u2047", " \u2047 "))
-  tok.decoder = decoders.Sequence(dec)
-  # Control pieces (<s>, </s>, <pad>) are special: decode(skip_special_tokens=True) drops them
-  # as sentencepiece does. The unknown piece is not: sentencepiece shows it.
-  tok.add_special_tokens([tokenizers.AddedToken(p, special=True, normalized=False)
-                          for p, _, t in pieces if t == control])
-  return tok
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int = 64,
