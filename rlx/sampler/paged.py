@@ -58,10 +58,10 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, PartitionSpec as P
 
-from rlx import kernels
 from rlx import sharding as shd
 from rlx.model import transformer
 from rlx.sampler import allocator as alloc_lib
+from rlx.sampler.paged_kv import Attention, DecodeContext, Groups, PrefillContext
 from rlx.sampler.sampling import (Rollout, SamplingParams, is_stop, prompt_positions,
                                   sample_tokens)
 
@@ -206,162 +206,6 @@ class _Layout:
     return cls(num_seqs=num_seqs, group=group, prompt_width=prompt_width, max_new=t,
                page_size=p, num_pages=num_pages, slots=slots,
                prefill_chunk=min(pc.prefill_chunk, num_seqs // group), widths=tuple(widths))
-
-
-# ----------------------------------------------------------------------------- KV contexts
-
-
-@dataclasses.dataclass(frozen=True)
-class _Attention:
-  """Static choice of paged attention kernel."""
-
-  impl: str
-  interpret: bool
-  context_buckets: int = 1
-  cascade: bool = False
-
-  @classmethod
-  def make(cls, pc: PagedConfig) -> "_Attention":
-    if pc.attention_impl == "reference":
-      return cls("reference", False, pc.context_buckets, pc.cascade)
-    if pc.attention_impl == "pallas":
-      # On CPU "auto" is the reference: bucket it too.
-      cpu = jax.default_backend() not in ("tpu", "gpu", "cuda", "rocm")
-      return cls("auto", False, pc.context_buckets if cpu else 1, pc.cascade)
-    flavour = pc.interpret_flavour
-    if flavour == "auto":
-      flavour = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tpu"
-    return cls(flavour, True, 1, pc.cascade)
-
-  def cascade_attend(self, q_SxHxD, k_pages, v_pages, lengths_S, pages_SxM, groups: "_Groups",
-                     spec):
-    """Shared full prompt pages once per group in flight + each slot's own pages, merged.
-
-    Rows: the distinct groups of the active slots (at most min(S, groups) of them), in
-    group order; slot (group g, child j) is sample j of g's row, laid out group-major for
-    `rlx.kernels.group_prefix_attention` (the prefix half of `cascade_paged_attention`).
-    """
-    s, hq, d = q_SxHxD.shape
-    page, size = k_pages.shape[2], groups.size
-    rows = min(s, groups.pages.shape[0])
-    active = lengths_S > 0
-    key = jnp.where(active, groups.group_S, jnp.iinfo(jnp.int32).max)
-    order = jnp.argsort(key, stable=True)
-    ordered = key[order]
-    starts = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
-    row_S = jnp.zeros((s,), jnp.int32).at[order].set(jnp.cumsum(starts, dtype=jnp.int32) - 1)
-    put_row = jnp.where(active, row_S, rows)
-    row_group = jnp.zeros((rows,), jnp.int32).at[put_row].set(groups.group_S, mode="drop")
-    row_prefix = jnp.zeros((rows,), jnp.int32).at[put_row].set(groups.full_S * page,
-                                                                 mode="drop")
-    member = jnp.where(active, row_S * size + groups.child_S, rows * size)
-    q_rows = jnp.zeros((rows * size, hq, d), q_SxHxD.dtype).at[member].set(q_SxHxD,
-                                                                           mode="drop")
-    options = dict(sm_scale=spec.scale, impl=self.impl, interpret=self.interpret,
-                   soft_cap=spec.softcap, return_lse=True)
-    o_pre, lse_pre = kernels.group_prefix_attention(
-        q_rows, k_pages, v_pages, row_prefix, groups.pages[row_group], group_size=size,
-        **options)
-    at = jnp.minimum(member, rows * size - 1)
-    o_pre = o_pre[at]
-    lse_pre = jnp.where(active[:, None], lse_pre[at], -jnp.inf)
-    # The slot's own pages start at column full_S (a page-aligned position).
-    cols = pages_SxM.shape[1]
-    own = jnp.take_along_axis(
-        pages_SxM, jnp.minimum(groups.full_S[:, None] + jnp.arange(cols)[None], cols - 1),
-        axis=1)
-    own_len = jnp.where(active, lengths_S - groups.full_S * page, 0)
-    o_own, lse_own = kernels.paged_attention(q_SxHxD, k_pages, v_pages, own_len, own,
-                                             **options)
-    out, _ = kernels.merge_attention_states(o_pre, lse_pre, o_own, lse_own)
-    return out
-
-  def __call__(self, q_BxHxD, k_pages, v_pages, lengths_B, pages_BxM, max_pages, spec):
-    """Attention over the first lengths_B[b] tokens; max_pages >= every ceil(len / P)."""
-    def attend(width):
-      return kernels.paged_attention(
-          q_BxHxD, k_pages, v_pages, lengths_B, pages_BxM[:, :width], sm_scale=spec.scale,
-          impl=self.impl, interpret=self.interpret, soft_cap=spec.softcap,
-          sliding_window=spec.window)
-
-    cols = pages_BxM.shape[1]
-    widths = sorted({_cdiv(cols * (i + 1), self.context_buckets)
-                     for i in range(self.context_buckets)})
-    if len(widths) == 1:
-      return attend(cols)
-    index = sum((max_pages > w).astype(jnp.int32) for w in widths[:-1])
-    return jax.lax.switch(index, [functools.partial(attend, w) for w in widths])
-
-
-def _replace_layer(pool: tuple, layer: int, x) -> tuple:
-  return pool[:layer] + (x,) + pool[layer + 1:]
-
-
-@struct.dataclass
-class PrefillContext:
-  """Dense causal attention over a chunk of prompts; writes their K/V into pages."""
-
-  k: tuple  # per layer [Hkv, N, P, D]
-  v: tuple
-  pages_CxM: jax.Array  # i32 prompt pages of each prompt
-  valid_CxT: jax.Array  # bool: real (not padding) prompt token
-
-  def layer_attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_pos_BxT, spec):
-    k_pos = jnp.where(self.valid_CxT, q_pos_BxT, -1)
-    allowed = transformer.attention_mask(q_pos_BxT, k_pos, spec.window)
-    out = transformer.dot_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, allowed, spec)
-    num_pages, page_size = self.k[layer].shape[1:3]
-    page = jnp.take_along_axis(self.pages_CxM, q_pos_BxT // page_size, axis=1)
-    page = jnp.where(self.valid_CxT, page, num_pages)  # out of range: dropped
-    slot = q_pos_BxT % page_size
-    k_pool = self.k[layer].at[:, page, slot].set(
-        k_BxTxKxD.transpose(2, 0, 1, 3).astype(self.k[layer].dtype), mode="drop")
-    v_pool = self.v[layer].at[:, page, slot].set(
-        v_BxTxKxD.transpose(2, 0, 1, 3).astype(self.v[layer].dtype), mode="drop")
-    return out, self.replace(k=_replace_layer(self.k, layer, k_pool),
-                             v=_replace_layer(self.v, layer, v_pool))
-
-
-@struct.dataclass
-class _Groups:
-  """Per-slot group membership, for cascade attention."""
-
-  group_S: jax.Array  # i32[S] the slot's group (local id)
-  child_S: jax.Array  # i32[S] its index within the group
-  full_S: jax.Array  # i32[S] shared full prompt pages of its group
-  pages: jax.Array  # i32[num_groups, prompt_pages] each group's prompt pages
-  size: int = struct.field(pytree_node=False)
-
-
-@struct.dataclass
-class DecodeContext:
-  """One token per slot: write its K/V into its page, attend over the slot's pages."""
-
-  k: tuple  # per layer [Hkv, N, P, D]
-  v: tuple
-  page_table_SxM: jax.Array  # i32
-  lengths_S: jax.Array  # i32 tokens attended, including the one written now (0: none)
-  write_page_S: jax.Array  # i32; N (out of range) = do not write
-  write_slot_S: jax.Array  # i32
-  max_pages: jax.Array  # i32[] >= every slot's pages in use (attention reads no further)
-  groups: _Groups | None
-  attention: _Attention = struct.field(pytree_node=False)
-
-  def layer_attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_pos_BxT, spec):
-    del q_pos_BxT  # positions are implied by lengths
-    page, slot = self.write_page_S, self.write_slot_S
-    k_pool = self.k[layer].at[:, page, slot].set(
-        k_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.k[layer].dtype), mode="drop")
-    v_pool = self.v[layer].at[:, page, slot].set(
-        v_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.v[layer].dtype), mode="drop")
-    if self.groups is not None and spec.window is None:
-      out = self.attention.cascade_attend(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
-                                          self.page_table_SxM, self.groups, spec)
-    else:
-      out = self.attention(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
-                           self.page_table_SxM, self.max_pages, spec)
-    return out[:, None], self.replace(k=_replace_layer(self.k, layer, k_pool),
-                                      v=_replace_layer(self.v, layer, v_pool))
 
 
 # ----------------------------------------------------------------------------- state
@@ -575,7 +419,7 @@ def _force_lengths(logits_SxV, t_S, forced_S, sp: SamplingParams):
 
 
 def _decode(model, st: PagedState, inp: _Inputs, lay: _Layout, sp: SamplingParams,
-            attention: _Attention) -> PagedState:
+            attention: Attention) -> PagedState:
   """One token for every active slot, then release the slots that finished."""
   s, p, n = st.active.shape[0], lay.page_size, lay.num_pages  # s: this decode's width
   rows = jnp.arange(s)
@@ -597,7 +441,7 @@ def _decode(model, st: PagedState, inp: _Inputs, lay: _Layout, sp: SamplingParam
       lengths_S=jnp.where(writing, pos + 1, 0),
       write_page_S=jnp.where(writing, page_table[rows, col], n),
       write_slot_S=pos % p, max_pages=jnp.max(jnp.where(writing, col + 1, 1)),
-      groups=(_Groups(group_S=g, child_S=seq % lay.group, full_S=inp.group_lens[g] // p,
+      groups=(Groups(group_S=g, child_S=seq % lay.group, full_S=inp.group_lens[g] // p,
                       pages=st.group_pages, size=lay.group)
               if attention.cascade and lay.group > 1 else None),
       attention=attention)
@@ -663,7 +507,7 @@ def _pack(st: PagedState, width: int) -> PagedState:
 
 
 def _generate_local(graphdef, params, prompts_BxP, prompt_lens_B, keys_B, forced_B, *,
-                    lay: _Layout, sp: SamplingParams, attention: _Attention):
+                    lay: _Layout, sp: SamplingParams, attention: Attention):
   """One shard's sequences, start to finish: a full-width loop, then the narrower tails."""
   model = transformer.bind(graphdef, params)
   inp = _Inputs(group_prompts=prompts_BxP[::lay.group].astype(jnp.int32),
@@ -764,7 +608,7 @@ def generate_unjitted(graphdef, params, prompts_BxP, prompt_lens_B, keys_B,
   _check_concrete(prompts_BxP, prompt_lens_B, group_size)
   lay = _Layout.make(local, group, pw, sp, pc)
   fn = functools.partial(_generate_local, graphdef, lay=lay, sp=sp,
-                         attention=_Attention.make(pc))
+                         attention=Attention.make(pc))
   args = (params, prompts_BxP, prompt_lens_B, keys_B, forced_lengths_B)
   if shards == 1:
     ro, stats = fn(*args)
