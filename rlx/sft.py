@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlx.configs import SFTSpec
+from rlx.specs import SFTSpec
 from rlx.data.tokenizer import Tokenizer
 from rlx.model import transformer
 

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from rlx.errors import ConfigError
 
-if TYPE_CHECKING:  # configs imports this module (task names are checked there)
-  from rlx.configs import TaskSpec
+if TYPE_CHECKING:  # rlx.specs imports this module (task names are checked there)
+  from rlx.specs import TaskSpec
 
 Examples = list[dict]
 

@@ -38,6 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from rlx import config_checks as chk
+from rlx.errors import ConfigError
+
 Params = dict[str, Any]
 
 # Every matrix the model multiplies activations by, as in Hugging Face / PEFT module names.
@@ -79,6 +82,37 @@ class LoRAConfig:
   @property
   def scale(self) -> float:
     return float(self.alpha) / self.rank
+
+  @classmethod
+  def from_config(cls, config) -> LoRAConfig | None:
+    """config.lora, checked (one ConfigError); None when rank is 0: full-parameter training."""
+    if "lora" not in config:
+      return None
+    lc = config.lora
+    rank = chk.integer(config, "lora.rank", 0)
+    if rank == 0:
+      return None
+    chk.number(config, "lora.alpha", 0, lo_open=True)
+    chk.need(float(lc.dropout) == 0.0,
+             f"config.lora.dropout={lc.dropout!r}: rlx's adapters have no dropout (RL updates "
+             f"see each rollout a few times at most); expected 0.")
+    chk.need(lc.base_dtype in ("", "float32", "bfloat16"),
+             f"config.lora.base_dtype={lc.base_dtype!r}; expected '' (the model's param "
+             f"dtype), 'float32' or 'bfloat16'.")
+    chk.need(isinstance(lc.targets, str) and lc.targets.strip() != "",
+             f"config.lora.targets={lc.targets!r}; expected a regex over parameter paths such "
+             f"as '(q|v)_proj$' (paths look like 'layer_0/attn/q_proj').")
+    try:
+      try:  # the wider of the base's and the compute dtype (see merge_dtype)
+        merge = str(jnp.promote_types(jnp.dtype(lc.base_dtype or config.model.param_dtype),
+                                      jnp.dtype(config.model.dtype)))
+      except TypeError:  # a bad model dtype: the model's own check names it
+        merge = ""
+      return cls(rank=rank, alpha=float(lc.alpha), targets=(lc.targets,),
+                 base_dtype=lc.base_dtype, merge_for_sampling=bool(lc.merge_for_sampling),
+                 merge_dtype=merge)
+    except ValueError as e:
+      raise ConfigError(f"config.lora: {e}") from None
 
 
 @struct.dataclass

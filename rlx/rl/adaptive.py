@@ -39,6 +39,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rlx import config_checks as chk
+from rlx.errors import ConfigError
+
 PRIORITIES = ("uncertain", "unsolved")
 
 
@@ -69,6 +72,33 @@ class AdaptiveConfig:
     if self.extend_groups > prompts_per_step:
       raise ValueError(f"adaptive.extend_groups={self.extend_groups} > rl.prompts_per_step="
                        f"{prompts_per_step}: at most every group can be extended.")
+
+  @classmethod
+  def from_config(cls, config, num_batch_devices: int = 1) -> AdaptiveConfig | None:
+    """config.adaptive, checked against config.rl / selection / pipeline (one ConfigError);
+    None when first == 0 (configs written before it existed: None)."""
+    if "adaptive" not in config or not config.adaptive.first:
+      return None
+    rl = config.rl
+    try:
+      adaptive = cls(first=chk.integer(config, "adaptive.first", 0),
+                     extend_groups=chk.integer(config, "adaptive.extend_groups", 0),
+                     priority=config.adaptive.priority)
+      adaptive.check(rl.prompts_per_step, rl.group_size, config.selection.dynamic_filter)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.{e}") from None
+    chk.need(not ("pipeline" in config and config.pipeline.mode == "overlap"),
+             "config.adaptive.first > 0 with config.pipeline.mode='overlap': adaptive rollout "
+             "budgets run in the sync pipeline only.")
+    for what, rows in (("prompts_per_step * adaptive.first", rl.prompts_per_step *
+                        adaptive.first),
+                       ("adaptive.extend_groups * (group_size - adaptive.first)",
+                        adaptive.extend_groups * (rl.group_size - adaptive.first))):
+      chk.need(rows % num_batch_devices == 0,
+               f"config.{what} = {rows} rollouts per round cannot be split over the "
+               f"{num_batch_devices} data-parallel devices; use a multiple of "
+               f"{num_batch_devices}.")
+    return adaptive
 
   def sequences(self, prompts_per_step: int, group_size: int) -> int:
     """Sequences sampled per step: n G0 + n2 (G - G0)."""

@@ -46,6 +46,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from rlx.errors import ConfigError
+
 
 LENGTH_MODES = ("advantage", "reward")
 
@@ -69,6 +71,14 @@ class LengthConfig:
       raise ValueError(f"length overlong_buffer={self.overlong_buffer}; expected >= 1.")
     if self.overlong_penalty < 0:
       raise ValueError(f"length overlong_penalty={self.overlong_penalty}; expected >= 0.")
+
+  @classmethod
+  def from_config(cls, config) -> LengthConfig:
+    """config.length, checked (one ConfigError)."""
+    try:
+      return cls(**dict(config.length))
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.length: {e}") from None
 
 
 def overlong_penalty(lengths_B, truncated_B, max_len: int, cfg: LengthConfig):

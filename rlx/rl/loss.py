@@ -39,6 +39,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rlx.errors import ConfigError
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IS_MODES = ("truncate", "mask")
@@ -74,6 +76,15 @@ class LossConfig:
          f"clip epsilons must be >= 0, got eps_low={self.eps_low}, eps_high={self.eps_high}.")
     need(self.is_cap > 0, f"is_cap={self.is_cap}; expected > 0.")
     need(self.kl_coef >= 0, f"kl_coef={self.kl_coef}; expected >= 0.")
+
+  @classmethod
+  def from_config(cls, config) -> LossConfig:
+    """The loss keys of config.rl, checked (one ConfigError)."""
+    rl = config.rl
+    try:
+      return cls(**{f.name: rl[f.name] for f in dataclasses.fields(cls)})
+    except ValueError as e:
+      raise ConfigError(f"config.rl: {e}") from None
 
 
 def kl_estimate(logp, ref_logp, estimator: str):

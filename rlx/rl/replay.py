@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rlx import config_checks as chk
+from rlx.errors import ConfigError
+
 PRIORITIES = ("abs_adv", "recency", "uniform")
 STALENESS_BINS = (0, 1, 2, 4, 8, 16)  # histogram edges (left-closed), last bin open
 
@@ -47,6 +50,25 @@ class ReplayConfig:
     if self.num_samples > self.capacity:
       raise ValueError(f"replay num_samples={self.num_samples} exceeds capacity="
                        f"{self.capacity}.")
+
+  @classmethod
+  def from_config(cls, config, num_batch_devices: int = 1) -> ReplayConfig | None:
+    """config.replay, checked (one ConfigError); None when replay is off. The ring and the
+    replayed rows are split over the `num_batch_devices` data-parallel devices."""
+    fields = dict(config.replay)
+    if not fields.pop("enabled", False):
+      return None
+    try:
+      replay = cls(**fields)
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.replay: {e}") from None
+    chk.need(replay.num_samples % num_batch_devices == 0,
+             f"config.replay.num_samples={replay.num_samples} must be a multiple of the "
+             f"{num_batch_devices} data-parallel devices.")
+    chk.need(replay.capacity % num_batch_devices == 0,
+             f"config.replay.capacity={replay.capacity} must be a multiple of the "
+             f"{num_batch_devices} data-parallel devices (the ring is split over them).")
+    return replay
 
 
 @struct.dataclass

@@ -10,7 +10,7 @@ State (device arrays over the whole prompt pool, updated from every group's rewa
                      groups' unbiased p(1-p): band mode's score for unvisited prompts. Two
                      buckets with the same mean pass rate differ when one's prompts sit nearer
                      0 and 1 (fewer mixed groups): E[p(1-p)] = mean(1-mean) - Var(p) sees it,
-                     the mean alone does not (measured: experiments/pass_rate_prior.py).
+                     the mean alone does not (measured: experiments/benchmarks/pass_rate_prior.py).
   visits     i32[N]
   last_all_correct bool[N], last_visit_step i32[N]
   zero_var_streak i32[N]  consecutive visits whose group had zero reward variance
@@ -50,6 +50,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from rlx.errors import ConfigError
 
 MODES = ("uniform", "band", "history", "skip", "oracle")
 BUCKET_SCORES = ("mean", "spread")
@@ -105,6 +107,14 @@ class SelectionConfig:
     if self.bucket_score not in BUCKET_SCORES:
       raise ValueError(f"selection bucket_score={self.bucket_score!r}; expected one of "
                        f"{BUCKET_SCORES}.")
+
+  @classmethod
+  def from_config(cls, config) -> SelectionConfig:
+    """config.selection, checked (one ConfigError)."""
+    try:
+      return cls(**dict(config.selection))
+    except (ValueError, TypeError) as e:
+      raise ConfigError(f"config.selection: {e}") from None
 
   @property
   def groups_sampled_factor(self) -> int:
