@@ -148,6 +148,19 @@ class StepConfig:
       self.adaptive.check(self.prompts_per_step, self.group_size,
                           self.selection.dynamic_filter)
 
+  @classmethod
+  def from_spec(cls, spec, *, sampling: SamplingParams, verifier: Verifier) -> StepConfig:
+    """The step of a run's spec (`rlx.configs.RunSpec`): config.rl's keys by name (a new
+    update knob is a field of RLSpec and of StepConfig of the same name), the other sections
+    as they are; `sampling` and `verifier` need the tokenizer."""
+    rl = {f.name: getattr(spec.rl, f.name) for f in dataclasses.fields(spec.rl)}
+    return cls(**rl, sampling=sampling, sampler_impl=spec.sampler.impl,
+               paged=spec.sampler.paged if spec.sampler.impl == "paged" else None,
+               selection=spec.selection, replay=spec.replay, length=spec.length,
+               reward_range=spec.guard.reward_range, verifier=verifier, lora=spec.lora,
+               staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive,
+               ledger_levels=tuple(sorted(set(spec.task.rl_levels or spec.task.levels))))
+
   @property
   def batch_size(self) -> int:
     """Fresh rows per step (after dynamic filtering), group-major; with adaptive budgets

@@ -45,23 +45,10 @@ def _check_writable(directory: str, flag: str) -> None:
 
 def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
   stop_ids = tuple(getattr(tokenizer, "stop_ids", ()) or ())
-  rl = spec.rl
-  return train.StepConfig(
-      prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
-      advantage=rl.advantage, num_updates=rl.num_updates,
-      num_minibatches=rl.num_minibatches, loss=rl.loss,
-      sampling=spec.sampler.sampling(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                     stop_ids=stop_ids),
-      sampler_impl=spec.sampler.impl,
-      paged=spec.sampler.paged if spec.sampler.impl == "paged" else None,
-      selection=spec.selection, replay=spec.replay, length=spec.length,
-      reward_range=spec.guard.reward_range, logprob_chunk=rl.logprob_chunk, remat=rl.remat,
-      fuse_pi_old=rl.fuse_pi_old, update_buckets=rl.update_buckets,
-      drop_zero_adv_rows=rl.drop_zero_adv_rows, update_parts=rl.update_parts,
-      update_micro_rows=rl.update_micro_rows,
-      verifier=registry.verifier_for(spec.task, tokenizer), lora=spec.lora,
-      staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive,
-      ledger_levels=tuple(sorted(set(spec.task.rl_levels or spec.task.levels))))
+  sampling = spec.sampler.sampling(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                   stop_ids=stop_ids)
+  return train.StepConfig.from_spec(spec, sampling=sampling,
+                                    verifier=registry.verifier_for(spec.task, tokenizer))
 
 
 def band_accuracy(m: dict[str, float], band) -> float:
