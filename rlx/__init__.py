@@ -63,7 +63,7 @@ def load_config(path: str, arg: str = ""):
   --config follows (rlx.config_file.find). A missing one is a FileNotFoundError.
   """
   from rlx import config_file  # pylint: disable=g-import-not-at-top
-  return config_file.load_module(config_file.find(path)).get_config(arg)
+  return config_file.load(path, arg)
 
 
 def __getattr__(name: str):

@@ -15,6 +15,12 @@ import os
 import pkgutil
 from types import ModuleType
 
+from rlx.errors import ConfigError
+
+
+class NoGetConfig(ConfigError):
+  """A config file without get_config(arg)."""
+
 
 def shipped_experiments() -> list[str]:
   """Names of the experiment configs shipped as rlx.experiments (those with get_config)."""
@@ -67,3 +73,14 @@ def load_module(file: str, module_name: str = "rlx_experiment_config") -> Module
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def load(path: str, arg: str = "", module_name: str = "rlx_experiment_config"):
+  """get_config(arg) of the config file `path` names (`find`): the one loader of configs, for
+  --config=path:arg (rlx.main) and rlx.load_config."""
+  module = load_module(find(path), module_name)
+  get_config = getattr(module, "get_config", None)
+  if not callable(get_config):
+    raise NoGetConfig(f"config file {path!r} defines no get_config(arg); expected an "
+                      f"experiment config like experiments/arith.py.")
+  return get_config(arg)

@@ -45,6 +45,23 @@ logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
+
+
+class _ConfigFileParser(flags.ArgumentParser):
+  """--config=path[:arg] loaded by rlx.config_file.load, as rlx.load_config loads it."""
+
+  def flag_type(self):
+    return "config object"
+
+  def parse(self, path):
+    path, _, arg = path.partition(":")
+    config = config_file.load(path, arg, "config_config")
+    if callable(getattr(config, "lock", None)):  # an override of a missing key is an error
+      config.lock()
+    return config
+
+
+flags.FLAGS["config"].parser = _ConfigFileParser()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
 flags.mark_flags_as_required(["config", "workdir"])
 # Multi-process runs (one process per host): explicit values or RLX_COORDINATOR_ADDRESS /
@@ -109,14 +126,12 @@ def resolve_config(argv: list[str]) -> list[str]:
 def _check_config_loads(path: str, arg: str, given: str) -> None:
   """Runs the config file's get_config(arg) once, so any failure is one line, not a traceback."""
   try:
-    module = config_file.load_module(path, "rlx_config_check")
-    if not callable(getattr(module, "get_config", None)):
-      fail(f"config file {given!r} defines no get_config(arg); expected an experiment config "
-           f"like experiments/arith.py.")
-    module.get_config(arg)
+    config_file.load(given, arg, "rlx_config_check")  # `given` finds `path`: named as given
   except Exception as e:  # pylint: disable=broad-except
     if os.environ.get("RLX_TRACEBACK"):
       raise
+    if isinstance(e, config_file.NoGetConfig):
+      fail(str(e))
     if isinstance(e, (configs.ConfigError, ValueError)):
       fail(f"config {given!r}: {e}")
     fail(f"config file {given!r} failed to load: {type(e).__name__}: {e} (set RLX_TRACEBACK=1 "
