@@ -33,8 +33,9 @@ EXTRAS = {
     # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build. peft
     # loads the LoRA adapters rlx.export --peft writes (tests/model/test_lora_export.py).
     "parity": ["torch==2.13.0", "transformers>=5.0,<6", "psutil>=5.9", "peft==0.21.2"],
-    "peers": ["trl==1.16.0", "datasets>=3"],  # experiments/bench_peers.py: TRL's GRPOTrainer
-    # experiments/bench_peers.py --peers=tunix: Tunix's GRPOLearner. Its pins move
+    # experiments/benchmarks/bench_peers.py: TRL's GRPOTrainer.
+    "peers": ["trl==1.16.0", "datasets>=3"],
+    # experiments/benchmarks/bench_peers.py --peers=tunix: Tunix's GRPOLearner. Its pins move
     # transformers to 5.12 and safetensors to 0.7 in the same environment: install it in a
     # venv of its own (python -m venv; pip install -e ".[parity,peers,tunix]").
     "tunix": ["google-tunix==0.1.7"],
@@ -48,7 +49,7 @@ setuptools.setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["rlx", "rlx.model", "rlx.sampler", "rlx.rl", "rlx.data", "rlx.kernels",
-              "rlx.experiments"],
+              "rlx.experiments", "rlx.experiments.benchmarks"],
     # kernels/ and experiments/ sit at the top level (the project's layout) and install as
     # rlx.kernels / rlx.experiments, so no top-level package collides with another one.
     package_dir={"rlx": "rlx", "rlx.kernels": "kernels", "rlx.experiments": "experiments"},

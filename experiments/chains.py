@@ -1,7 +1,7 @@
 r"""GRPO on op-chains: many small skills whose uncertain band moves (rlx.data.op_chains).
 
-The efficiency benchmark's task (experiments/efficiency.py --task=chains). 48 operators are
-fixed permutations of the digits; a prompt is an input digit and a chain of 1-4 operators,
+The efficiency benchmark's task (experiments/benchmarks/efficiency.py --task=chains). 48 operators
+are fixed permutations of the digits; a prompt is an input digit and a chain of 1-4 operators,
 the completion names each operator and writes the digit it gives ("7kQf=" -> "k3Q5f1"), and
 the reward is exact match on the whole chain. The warm-start teacher is wrong on a sixth of
 the operators 60% of the time, on another sixth 85% and on another 97% (half are never wrong),

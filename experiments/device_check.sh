@@ -5,10 +5,10 @@
 #
 #   tests      python -m pytest -q tests/kernels (the compiled Pallas kernels against the
 #              reference on the GPU)                                          -> tests.log
-#   kernels    experiments/bench_kernels.py (paged + cascade decode attention) -> kernels.log
-#   peers100m  experiments/bench_peers.py --size=100m, rlx vs TRL's GRPOTrainer with TRL on
+#   kernels    benchmarks/bench_kernels.py (paged + cascade decode attention) -> kernels.log
+#   peers100m  benchmarks/bench_peers.py --size=100m, rlx vs TRL's GRPOTrainer with TRL on
 #              the GPU (--trl_device=cuda)                                    -> peers_100m.log
-#   step       experiments/bench_step.py on experiments/reasoning.py (its warm start is trained
+#   step       benchmarks/bench_step.py on experiments/reasoning.py (its warm start is trained
 #              first, cached in the run's workdir)                            -> step_reasoning.log
 #   peers05b   bench_peers at a 0.5B-class --size (300M-800M params), when bench_peers has one;
 #              else recorded as not run. Last, so that its long compile cannot starve the rest
@@ -128,7 +128,7 @@ for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "tor
   except md.PackageNotFoundError:
     v = "MISSING"
   print(f"  {name} {v}")
-for mod in ("rlx", "rlx.kernels", "rlx.experiments.bench_peers", "ml_collections",
+for mod in ("rlx", "rlx.kernels", "rlx.experiments.benchmarks.bench_peers", "ml_collections",
             "tensorflow_datasets", "trl", "datasets"):
   try:
     m = importlib.import_module(mod)
@@ -222,30 +222,30 @@ for part in $PARTS; do
       if [[ $DRY == 1 ]]; then q="--quick --repeats=1 --skip_cascade"; else q=""; fi
       run_part kernels "$(cap KERNELS 100)" kernels.log "$PKG" \
         "^device:|^\| |rows ok|Error" \
-        "$PY -m rlx.experiments.bench_kernels $q --out=$SCRATCH/kernels.md; rc=\$?; cat $SCRATCH/kernels.md 2>/dev/null; exit \$rc" ;;
+        "$PY -m rlx.experiments.benchmarks.bench_kernels $q --out=$SCRATCH/kernels.md; rc=\$?; cat $SCRATCH/kernels.md 2>/dev/null; exit \$rc" ;;
     peers100m)
       if [[ $DRY == 1 ]]; then size="--size=tiny --steps=1 --warmup=0"; else size="--size=100m --steps=5 --warmup=1"; fi
       run_part peers100m "$(cap PEERS100M 150)" peers_100m.log "$PKG" \
         "^model:|TRL on|^\| |^Medians|Error|error:" \
-        "$PEERS_ENV $PY -m rlx.experiments.bench_peers $size $PEERS_WHO --workdir=$SCRATCH/p100 ${DEVICE_CHECK_PEERS_ARGS:-}" ;;
+        "$PEERS_ENV $PY -m rlx.experiments.benchmarks.bench_peers $size $PEERS_WHO --workdir=$SCRATCH/p100 ${DEVICE_CHECK_PEERS_ARGS:-}" ;;
     peers05b)
       size=${DEVICE_CHECK_05B_SIZE:-$(cd "$PKG" && "$PY" - 2>>"$ENVLOG" <<'EOF'
-from rlx.experiments import bench_peers as b
+from rlx.experiments.benchmarks import bench_peers as b
 sizes = sorted((abs(m.num_params() - 5e8), k) for k, m in b.MODELS.items()
                if 3e8 <= m.num_params() <= 8e8)
 print(sizes[0][1] if sizes else "")
 EOF
 )}
       if [[ -z $size ]]; then
-        sizes=$(cd "$PKG" && "$PY" -c "from rlx.experiments import bench_peers as b; print(', '.join(f'{k} ({m.num_params() / 1e6:.0f}M)' for k, m in b.MODELS.items()))" 2>>"$ENVLOG")
+        sizes=$(cd "$PKG" && "$PY" -c "from rlx.experiments.benchmarks import bench_peers as b; print(', '.join(f'{k} ({m.num_params() / 1e6:.0f}M)' for k, m in b.MODELS.items()))" 2>>"$ENVLOG")
         skip_part peers05b "bench_peers has no 0.5B-class --size (it has: ${sizes:-?})"
       elif [[ $DRY == 1 ]]; then
         run_part peers05b "$(cap PEERS05B 60)" peers_05b.log "$PKG" "size|0.5|error" \
-          "$PY -m rlx.experiments.bench_peers --help | grep -A2 -- --size; echo 'would run --size=$size'"
+          "$PY -m rlx.experiments.benchmarks.bench_peers --help | grep -A2 -- --size; echo 'would run --size=$size'"
       else
         run_part peers05b "$(cap PEERS05B 180)" peers_05b.log "$PKG" \
           "^model:|TRL on|^\| |^Medians|Error|error:" \
-          "$PEERS_ENV $PY -m rlx.experiments.bench_peers --size=$size --steps=2 --warmup=1 $PEERS_WHO --workdir=$SCRATCH/p05b ${DEVICE_CHECK_PEERS05B_ARGS:-}"
+          "$PEERS_ENV $PY -m rlx.experiments.benchmarks.bench_peers --size=$size --steps=2 --warmup=1 $PEERS_WHO --workdir=$SCRATCH/p05b ${DEVICE_CHECK_PEERS05B_ARGS:-}"
       fi ;;
     step)
       if [[ $DRY == 1 ]]; then
@@ -255,7 +255,7 @@ EOF
       fi
       run_part step "$(cap STEP 120)" step_reasoning.log "$PKG" \
         "^config:|^machine|^phase|^generation|^sampler|^update|^step|^evaluation|tokens/s|generation share|^steps|Error|error:" \
-        "$PY -m rlx.experiments.bench_step $a --workdir=$SCRATCH/reasoning ${DEVICE_CHECK_STEP_ARGS:-}" ;;
+        "$PY -m rlx.experiments.benchmarks.bench_step $a --workdir=$SCRATCH/reasoning ${DEVICE_CHECK_STEP_ARGS:-}" ;;
     step100m)
       if [[ ! -f $SCRATCH/p100/model/config.json ]]; then
         skip_part step100m "no bench_peers model dir ($SCRATCH/p100): run peers100m first"
@@ -264,7 +264,7 @@ EOF
       if [[ $DRY == 1 ]]; then a="--steps=1 --phases=false"; else a="--steps=3 --sampler_compare"; fi
       run_part step100m "$(cap STEP100M 150)" step_100m.log "$PKG" \
         "^config:|^machine|^phase|^generation|^sampler|^update|^step|^paged|^dense|tokens/s|generation share|^steps|Error|error:" \
-        "$PY -m rlx.experiments.bench_step --config=$PKG/rlx/experiments/bench_peers_config.py:$SCRATCH/p100 --workdir=$SCRATCH/p100/step --eval=false $a" ;;
+        "$PY -m rlx.experiments.benchmarks.bench_step --config=$PKG/rlx/experiments/benchmarks/bench_peers_config.py:$SCRATCH/p100 --workdir=$SCRATCH/p100/step --eval=false $a" ;;
     *)
       skip_part "$part" "unknown part (known: tests kernels peers100m step peers05b step100m)" ;;
   esac

@@ -42,7 +42,7 @@ WHEELS=(
   termcolor==3.3.0
   toml==0.10.2
   importlib_resources==7.1.0        # setup.py: tensorflow-datasets (etils) without tensorflow
-  # experiments/bench_peers.py's peer
+  # experiments/benchmarks/bench_peers.py's peer
   trl==1.16.0
   datasets==5.0.1
   dill==0.4.1

@@ -1,4 +1,4 @@
-"""experiments/bench_peers.py: the shared model directory loads the same in rlx and
+"""experiments/benchmarks/bench_peers.py: the shared model directory loads the same in rlx and
 transformers (ids, special tokens, weights shape), TRL's config is one generation of
 4 prompts x G=8 per optimizer step, the turn-taking worker processes (rlx; Tunix where it is
 installed) deliver one row per step (and a clear error when a worker dies), and the report has
@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import rlx  # noqa: E402
-from experiments import bench_peers  # noqa: E402
+from experiments.benchmarks import bench_peers  # noqa: E402
 
 
 @pytest.fixture(scope="module")

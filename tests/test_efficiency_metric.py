@@ -1,4 +1,4 @@
-"""The tokens-to-target rule and bootstrap ratio of experiments/efficiency.py."""
+"""The tokens-to-target rule and bootstrap ratio of experiments/benchmarks/efficiency.py."""
 
 import math
 import re
@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from rlx.experiments import efficiency
+from rlx.experiments.benchmarks import efficiency
 
 
 def curve(accs, tokens_per_eval=1000):

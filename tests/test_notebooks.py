@@ -57,7 +57,7 @@ def test_notebook_runs_and_plots(name, tmp_path, monkeypatch):
 
 
 def test_ablations_plots_a_benchmark_results_file(tmp_path, monkeypatch):
-  """The other branch of ablations.ipynb: a results.json of experiments/efficiency.py."""
+  """The other branch of ablations.ipynb: a results.json of experiments/benchmarks/efficiency.py."""
   curves = {arm: [[[0, 0.0, 0.40], [5, 4e3 * k, 0.50], [10, 8e3 * k, 0.60 + 0.05 * seed]]
                   for seed in range(2)]
             for arm, k in (("B0", 1.0), ("S+R", 0.7))}

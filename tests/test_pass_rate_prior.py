@@ -1,10 +1,11 @@
-"""experiments/pass_rate_prior.py: the logistic fit, the prefill features and the scoring."""
+"""experiments/benchmarks/pass_rate_prior.py: the logistic fit, the prefill features and the
+scoring."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx.experiments import pass_rate_prior as prior
+from rlx.experiments.benchmarks import pass_rate_prior as prior
 from rlx.model import ModelConfig, init_params, transformer
 
 CFG = ModelConfig(vocab_size=23, num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,

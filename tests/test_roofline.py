@@ -1,4 +1,4 @@
-"""experiments/roofline.py (what bench_step.py reports against): the update's GEMM floor
+"""experiments/benchmarks/roofline.py (what bench_step.py reports against): the update's GEMM floor
 counts the matmuls the update computes (their FLOPs equal XLA's count of the forward +
 backward within the elementwise remainder), and times them. No flags: importable next to the
 experiment scripts that define theirs."""
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.experiments import roofline
+from rlx.experiments.benchmarks import roofline
 from rlx import train
 from rlx.model import ModelConfig, init_params
 

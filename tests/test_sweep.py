@@ -68,7 +68,8 @@ def test_one_rule_finds_configs_for_main_sweep_and_load_config(tmp_path, monkeyp
   shipped = config_file.find("arith")
   assert shipped.endswith(os.path.join("experiments", "arith.py")) and os.path.isfile(shipped)
   # rlx.main defines absl flags at import: asked in a process of its own, so that no flag of
-  # another module imported by this test worker (e.g. experiments/efficiency.py) collides.
+  # another module imported by this test worker (e.g. experiments/benchmarks/efficiency.py)
+  # collides.
   out = subprocess.run(
       [sys.executable, "-c", "from rlx import main; "
        "print(main.resolve_config(['rlx', '--config=arith:runlocal'])[1])"],

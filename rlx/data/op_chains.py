@@ -1,8 +1,8 @@
 """Op-chains: many small skills whose uncertain band moves as RL fixes them (a TFDS builder).
 
-The benchmark task of experiments/efficiency.py --task=chains, built so that prompt selection
-and reuse have room (issue 36): most groups are zero-variance (solved or hopeless) and which
-skills are uncertain changes during the run.
+The benchmark task of experiments/benchmarks/efficiency.py --task=chains, built so that prompt
+selection and reuse have room (issue 36): most groups are zero-variance (solved or hopeless) and
+which skills are uncertain changes during the run.
 
 K operators (letters a..z, A..V for K=48) are fixed random permutations of the digits 0-9. A
 prompt is an input digit followed by a chain of 1-4 operators, applied left to right; the

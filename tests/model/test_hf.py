@@ -599,10 +599,11 @@ def test_load_memory_small(tmp_path):
   The allowance is the loader's fixed cost over an idle JAX process, measured at 3.3 MiB
   (+-0.2, five runs): parsing headers, the model's abstract evaluation, Python and malloc
   bookkeeping. It is small enough that a loader holding the whole checkpoint on the host
-  next to the device arrays (~2x) fails. experiments/load_memory.py shows the same bound at
-  0.5B params, where the row-block path for big tensors is exercised.
+  next to the device arrays (~2x) fails. experiments/benchmarks/load_memory.py shows the same
+  bound at 0.5B params, where the row-block path for big tensors is exercised.
   """
-  script = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "load_memory.py")
+  script = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "benchmarks",
+                        "load_memory.py")
   out = _run(f"""
       import runpy, sys
       sys.argv = ["load_memory", "--params=5e6", "--dir={tmp_path}", "--json"]

@@ -53,9 +53,10 @@ from which the run stays within 0.03 of it are recorded (`tokens_to_target`); ru
 never reach it are censored. Ratios to B0 use medians, with a bootstrap
 interval over seeds.
 
-  python experiments/efficiency.py --quick --workdir_root=/tmp/rlx_eff      # 3 seeds, 80 steps
-  python experiments/efficiency.py --workdir_root=/tmp/rlx_eff_full --seeds=4  # 200 steps
-  python experiments/efficiency.py --task=reasoning --workdir_root=/tmp/rlx_eff_reason  # 100
+  python experiments/benchmarks/efficiency.py --quick --workdir_root=/tmp/rlx_eff  # 3x80 steps
+  python experiments/benchmarks/efficiency.py --workdir_root=/tmp/rlx_eff_full --seeds=4  # 200
+  python experiments/benchmarks/efficiency.py --task=reasoning \
+      --workdir_root=/tmp/rlx_eff_reason  # 100
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ _SHADOW = flags.DEFINE_integer("shadow_probe", -1, "H / G arms: uniform prompts 
                                "exclusions (-1: 128 on chains, else 0 (needs exact match)).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the configs
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
@@ -256,13 +257,13 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
   if _GROUP.value:
     common["rl.group_size"] = _GROUP.value
   if _TASK.value == "chains":
-    base = rlx.load_config(os.path.join(HERE, "chains.py"))
+    base = rlx.load_config(os.path.join(EXPERIMENTS, "chains.py"))
   elif _TASK.value == "reasoning":
-    base = rlx.load_config(os.path.join(HERE, "reasoning.py"))
+    base = rlx.load_config(os.path.join(EXPERIMENTS, "reasoning.py"))
     # 400 held-out band problems as on arith; plain GRPO has no length reward.
     common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
   else:
-    base = rlx.load_config(os.path.join(HERE, "arith.py"))
+    base = rlx.load_config(os.path.join(EXPERIMENTS, "arith.py"))
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
   config = configs.with_overrides(base, {**common, **overrides})
   if config.adaptive.first and not config.adaptive.extend_groups:

@@ -1,8 +1,8 @@
 r"""Per-device memory plans of the default experiment, a Qwen2.5-1.5B run and 7B-class runs
 (full-parameter vs LoRA), without devices.
 
-  python experiments/memory_plan.py            # (a), (b) and (c)
-  python experiments/memory_plan.py 7b         # (c) only, as markdown tables
+  python experiments/benchmarks/memory_plan.py            # (a), (b) and (c)
+  python experiments/benchmarks/memory_plan.py 7b         # (c) only, as markdown tables
 
 (a) experiments/arith.py on one device (this machine's capacity).
 (b) experiments/hf_rl.py with the Qwen2.5-1.5B shapes (experiments/shapes/qwen2.5-1.5b holds
@@ -20,24 +20,24 @@ r"""Per-device memory plans of the default experiment, a Qwen2.5-1.5B run and 7B
 from __future__ import annotations
 
 import os
-import sys
 
 import ml_collections as mlc
+from absl import app
 
 from rlx import configs
 from rlx import memory
 from rlx.model import hf
 from rlx.model.config import ModelConfig
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-QWEN = os.path.join(HERE, "shapes", "qwen2.5-1.5b")
+EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the configs
+QWEN = os.path.join(EXPERIMENTS, "shapes", "qwen2.5-1.5b")
 GiB = 2**30
 DEVICES = (("H100-class 80 GiB", 80 * GiB), ("H200-class 141 GiB", 141 * GiB),
            ("TPU v5e-class 16 GiB", 16 * GiB))
 
 # (c) 7B-class plans.
-SHAPES_7B = (("Qwen2.5-7B", os.path.join(HERE, "shapes", "qwen2.5-7b")),
-             ("Llama-3.1-8B", os.path.join(HERE, "shapes", "llama-3.1-8b")))
+SHAPES_7B = (("Qwen2.5-7B", os.path.join(EXPERIMENTS, "shapes", "qwen2.5-7b")),
+             ("Llama-3.1-8B", os.path.join(EXPERIMENTS, "shapes", "llama-3.1-8b")))
 # (name, chips, bytes per chip). v5p-8 is 4 chips (the 8 counts TensorCores); an H200 has
 # 141 GB, of which JAX can use ~139 GiB with XLA_PYTHON_CLIENT_MEM_FRACTION=.99 (the default
 # preallocation, 75%, leaves ~105 GiB).
@@ -61,7 +61,7 @@ METHODS_7B = (
 
 def _load(name: str, arg: str = "") -> mlc.ConfigDict:
   import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(name, os.path.join(EXPERIMENTS, f"{name}.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config(arg)
@@ -161,8 +161,8 @@ def sweep_v5e() -> str:
   return "\n".join(out)
 
 
-def main() -> None:
-  if sys.argv[1:] == ["7b"]:
+def main(argv) -> None:
+  if argv[1:] == ["7b"]:
     print(tables_7b())
     print("LoRA r=16 on a TPU v5e-8 (16 GiB per chip), the rest of RUN_7B unchanged:\n")
     print(sweep_v5e())
@@ -192,4 +192,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

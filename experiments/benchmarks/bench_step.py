@@ -23,7 +23,7 @@ compilation and prints medians of:
   GEMMs alone      full fine-tuning only: the update's matmuls (every projection's forward
                    and two backward GEMMs, attention's QK^T / PV, the vocabulary projection),
                    each shape timed alone at the update's micro-batch shapes
-                   (rlx.experiments.roofline.update_gemms): a floor at its own shapes, where
+                   (roofline.update_gemms, in this folder): a floor at its own shapes, where
                    the square GEMM probe is the machine's best case
   evaluation       the run's held-out evaluation (rlx.evaluate.Evaluator: greedy, the run's
                    sampler impl and PagedConfig, eval_batch_size batches, scored by the
@@ -52,17 +52,20 @@ full-parameter run's sampler reads), LoRA merged (merge + decode in one call, as
 with lora.merge_for_sampling runs), LoRA unmerged (the low-rank path in every decoded
 projection), and the merge alone; medians and ratios.
 
-  python experiments/bench_step.py --config=experiments/arith.py --workdir=/tmp/rlx_arith
-  python experiments/bench_step.py --config=experiments/arith.py:runlocal --workdir=/tmp/b \
+  python experiments/benchmarks/bench_step.py --config=experiments/arith.py --workdir=/tmp/rlx_arith
+  python experiments/benchmarks/bench_step.py --config=experiments/arith.py:runlocal \
+      --workdir=/tmp/b \
       --steps=5 --profile_dir=/tmp/b/trace
-  python experiments/bench_step.py --config=experiments/arith.py:runlocal --workdir=/tmp/b \
+  python experiments/benchmarks/bench_step.py --config=experiments/arith.py:runlocal \
+      --workdir=/tmp/b \
       --config.sampler.eval_batch_size=40      # evaluation in batches that pad the pool
-  python experiments/bench_step.py --config=experiments/reasoning.py \
+  python experiments/benchmarks/bench_step.py --config=experiments/reasoning.py \
       --workdir=/tmp/rlx_reasoning --sampler_compare   # paged vs dense in the loop, slots, KV
-  python experiments/bench_step.py --config=experiments/arith.py --workdir=/tmp/b_lora \
+  python experiments/benchmarks/bench_step.py --config=experiments/arith.py --workdir=/tmp/b_lora \
       --config.warm_start.dir=/tmp/rlx_arith/base --config.lora.rank=8 \
       --lora_sampling_compare                  # LoRA: merged vs unmerged vs full sampling
-  python experiments/bench_step.py --config=experiments/bench_peers_config.py:/tmp/p100 \
+  python experiments/benchmarks/bench_step.py \
+      --config=experiments/benchmarks/bench_peers_config.py:/tmp/p100 \
       --workdir=/tmp/p100/step --steps=3       # bench_peers' workload (see that config)
 """
 
@@ -81,9 +84,10 @@ from rlx import evaluate, train, trainer
 from rlx import sharding as shd
 from rlx.model import lora as lora_lib
 from rlx.rl.loss import policy_loss
-from rlx.experiments.roofline import (copy_bandwidth, gemm_floor, gemm_peak, median_time,
-                                      update_gemms, xla_flops)
-from rlx.experiments.step_timing import host_scorer, timed_step
+from rlx.experiments.benchmarks.roofline import (copy_bandwidth, gemm_floor, gemm_peak,
+                                                 update_gemms, xla_flops)
+from rlx.experiments.benchmarks.step_timing import host_scorer, timed_step
+from rlx.experiments.benchmarks.timing import median_time
 from rlx.sampler import dense, paged
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/arith.py", "Config file.")

@@ -6,9 +6,9 @@ completion lengths in tokens (median, 90th percentile and their ratio, overall a
 with the pass rate. The workdir must hold the base already (run the experiment, or its warm
 start, first).
 
-  python experiments/completion_lengths.py --config=experiments/reasoning.py \
+  python experiments/benchmarks/completion_lengths.py --config=experiments/reasoning.py \
       --workdir=/tmp/rlx_reasoning
-  python experiments/completion_lengths.py --config=experiments/reasoning.py \
+  python experiments/benchmarks/completion_lengths.py --config=experiments/reasoning.py \
       --workdir=/tmp/rlx_reasoning --step=100
 """
 

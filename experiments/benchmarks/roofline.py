@@ -1,24 +1,11 @@
 """This machine's ceilings, measured in the running process, and the update's matmul floor:
-the helpers experiments/bench_step.py (and bench_faults.py) report against. No flags, so
-tests and other scripts can import it."""
-
-import statistics
-import time
+the helpers experiments/benchmarks/bench_step.py (and bench_faults.py) report against. No
+flags, so tests and other scripts can import it."""
 
 import jax
 import jax.numpy as jnp
 
-
-def median_time(fn, *args, reps: int, inner: int = 1) -> float:
-  """Median over `reps` of the time of `inner` back-to-back calls, waited on once, / inner
-  (after one call to compile)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(inner)])
-    times.append((time.perf_counter() - t0) / inner)
-  return statistics.median(times)
+from rlx.experiments.benchmarks.timing import best_time, median_time
 
 
 def xla_flops(jitted, *args) -> float:
@@ -50,13 +37,7 @@ def gemm_peak(n: int = 2048, reps: int = 5) -> float:
   machine only ever slows a run down; one process's median of 5 ranged 184-448 GFLOP/s
   within an hour on the 2-core VM)."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  jax.block_until_ready(_matmul(a, a))
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(_matmul(a, a))
-    best = min(best, time.perf_counter() - t0)
-  return 2 * n ** 3 / best
+  return 2 * n ** 3 / best_time(_matmul, a, a, reps=reps)
 
 
 def update_gemms(model, rows: int, seq: int, width: int) -> list[tuple]:
@@ -99,13 +80,11 @@ def gemm_floor(gemms, dtype, reps: int = 3, inner: int = 8) -> tuple[float, floa
 
 def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
   """Bytes/s read + written by an elementwise pass over `mib` MiB (donated, in place)."""
-  x = jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)
   f = jax.jit(lambda v: v + 1.0, donate_argnums=0)
-  for _ in range(2):
-    x = f(x)
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    x = jax.block_until_ready(f(x))
-    times.append(time.perf_counter() - t0)
-  return 2 * x.nbytes / statistics.median(times)
+  x = [jnp.zeros((mib * 2 ** 20 // 4,), jnp.float32)]
+
+  def step():  # each call consumes the buffer the last one returned
+    x[0] = f(x[0])
+    return x[0]
+
+  return 2 * x[0].nbytes / median_time(step, reps=reps, warmup=2)

@@ -1,7 +1,7 @@
 r"""Benchmarks rlx's paged decode attention kernels side by side.
 
-  python experiments/bench_kernels.py --out /tmp/bench.md        # on a GPU/TPU
-  python experiments/bench_kernels.py --quick                    # CPU, seconds
+  python experiments/benchmarks/bench_kernels.py --out /tmp/bench.md        # on a GPU/TPU
+  python experiments/benchmarks/bench_kernels.py --quick                    # CPU, seconds
 
 For each decode shape (bf16, D=128, every sequence at full context, pages in
 shuffled order) it times the ``gpu`` (or ``tpu``) Pallas kernel, the XLA
@@ -17,25 +17,25 @@ unavailable implementation prints an error row and the run goes on.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 import traceback
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 try:
+  from rlx.experiments.benchmarks.timing import median_time
   from rlx.kernels import cascade_paged_attention, paged_attention
 except ImportError:  # running from a checkout without `pip install -e .`
   import importlib.util
   import os
-  import types
-  _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  from timing import median_time  # this file's folder is sys.path[0]
+  _root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   _spec = importlib.util.spec_from_file_location(
       "rlx.kernels", os.path.join(_root, "kernels", "__init__.py"),
       submodule_search_locations=[os.path.join(_root, "kernels")])
@@ -75,20 +75,6 @@ class Row:
   speedup: float | None = None
   max_err: float | None = None
   error: str | None = None
-
-
-def time_fn(fn, args, *, warmup: int, repeats: int, inner: int) -> float:
-  """Median seconds per call; `inner` back-to-back calls amortise dispatch."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / inner)
-  return statistics.median(samples)
 
 
 def make_paged(rng, batch, context, num_kv, num_q, head_dim, page_size, dtype):
@@ -140,7 +126,7 @@ def jax_paged_fn(name: str, quick: bool, sm_scale: float, page_size: int,
 def bench_paged(args, peak_gbps, rows):
   rng = np.random.default_rng(0)
   dtype = jnp.float32 if args.quick else jnp.bfloat16
-  timing = dict(warmup=args.warmup, repeats=args.repeats, inner=args.inner)
+  timing = dict(warmup=args.warmup, reps=args.repeats, inner=args.inner)
   for batch, context, num_kv, num_q in (QUICK_SHAPES if args.quick else FULL_SHAPES):
     config = f"B={batch} ctx={context} Hkv={num_kv} Hq={num_q}"
     try:
@@ -162,7 +148,7 @@ def bench_paged(args, peak_gbps, rows):
         else:
           fn = jax.jit(lambda *x, kw=kwargs: paged_attention(*x, sm_scale=sm_scale, **kw))
         out = jax.block_until_ready(fn(*inputs))
-        seconds = time_fn(fn, inputs, **timing)
+        seconds = median_time(fn, *inputs, **timing)
         fill_row(row, seconds, kv_bytes, peak_gbps, ref_time)
         if name == "reference":
           ref_time, ref_out = seconds, out
@@ -181,7 +167,7 @@ def bench_cascade(args, peak_gbps, rows):
   rng = np.random.default_rng(1)
   dtype = jnp.float32 if args.quick else jnp.bfloat16
   P, D = args.page_size, args.head_dim
-  timing = dict(warmup=args.warmup, repeats=args.repeats, inner=args.inner)
+  timing = dict(warmup=args.warmup, reps=args.repeats, inner=args.inner)
   impls = [n for n, kw in available_impls(args.quick) if kw and n in ("tpu", "gpu")][:1]
   impls.append("reference")
   for groups, group_size, prompt, suffix, num_kv, num_q in (
@@ -234,7 +220,7 @@ def bench_cascade_pair(config, group_size, kw, qkv, plain, cascade, plain_bytes,
     row = Row("cascade", config, name)
     try:
       out = jax.block_until_ready(fn(*fn_args))
-      seconds = time_fn(fn, fn_args, **timing)
+      seconds = median_time(fn, *fn_args, **timing)
       fill_row(row, seconds, nbytes, peak_gbps, plain_time)
       if plain_time is None:
         plain_time, plain_out = seconds, out
@@ -280,22 +266,26 @@ def to_markdown(rows, meta) -> str:
   return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny f32 shapes, Pallas kernels in interpret mode (CPU)")
-  parser.add_argument("--peak_gbps", type=float, default=None,
-                      help="HBM peak in GB/s (default: by device kind, H200 4800)")
-  parser.add_argument("--out", default=None,
-                      help="write results: *.json as JSON, anything else as markdown")
-  parser.add_argument("--page_size", type=int, default=16)
-  parser.add_argument("--head_dim", type=int, default=128)
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--repeats", type=int, default=None)
-  parser.add_argument("--inner", type=int, default=None)
-  parser.add_argument("--skip_cascade", action="store_true")
-  parser.add_argument("--verbose", action="store_true", help="print tracebacks")
-  args = parser.parse_args(argv)
+_FLAGS = (
+    flags.DEFINE_bool("quick", False, "Tiny f32 shapes, Pallas kernels in interpret mode (CPU)."),
+    flags.DEFINE_float("peak_gbps", None, "HBM peak in GB/s (default: by device kind, H200 "
+                       "4800)."),
+    flags.DEFINE_string("out", None, "Write results: *.json as JSON, anything else as "
+                        "markdown."),
+    flags.DEFINE_integer("page_size", 16, "KV cache page size."),
+    flags.DEFINE_integer("head_dim", 128, "Head dimension."),
+    flags.DEFINE_integer("warmup", 2, "Calls before timing (compilation)."),
+    flags.DEFINE_integer("repeats", None, "Timed runs (default 7, --quick 3)."),
+    flags.DEFINE_integer("inner", None, "Back-to-back calls per timed run (default 10, --quick "
+                         "1)."),
+    flags.DEFINE_bool("skip_cascade", False, "Skip the cascade attention table."),
+    flags.DEFINE_bool("verbose", False, "Print tracebacks."),
+)
+
+
+def main(argv):
+  del argv
+  args = types.SimpleNamespace(**{f.name: f.value for f in _FLAGS})
   device = jax.devices()[0]
   kind = device.device_kind
   peak = args.peak_gbps or next(
@@ -333,8 +323,7 @@ def main(argv=None):
     print(f"wrote {args.out}")
   failed = sum(r.error is not None for r in rows)
   print(f"{len(rows) - failed} rows ok, {failed} with errors")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(main)

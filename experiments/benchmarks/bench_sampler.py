@@ -1,8 +1,8 @@
 r"""Rollout throughput: rlx paged sampler vs rlx dense sampler vs Hugging Face `generate`.
 
-  python experiments/bench_sampler.py                  # 3M and 100M models, both workloads
-  python experiments/bench_sampler.py --quick          # tiny model, seconds (CPU smoke run)
-  python experiments/bench_sampler.py --sizes 3m --reps 5
+  python experiments/benchmarks/bench_sampler.py                # 3M and 100M models, both workloads
+  python experiments/benchmarks/bench_sampler.py --quick       # tiny model, seconds (CPU smoke run)
+  python experiments/benchmarks/bench_sampler.py --sizes=3m --reps=5
 
 All engines run the same weights (rlx params exported with `rlx.model.hf.save_hf` and loaded
 by `transformers.AutoModelForCausalLM`, f32), the same prompts and temperature-1 sampling
@@ -10,7 +10,7 @@ by `transformers.AutoModelForCausalLM`, f32), the same prompts and temperature-1
 each) with OMP_WAIT_POLICY=PASSIVE: with spinning OpenMP threads, HF runs on this shared
 2-core machine took 10-100x longer at random. Runs are measured interleaved (engine A, B,
 C, A, B, C, ...) after a warm-up call (compilation) each; the table shows medians. The rlx
-paged sampler runs with page_size 8 (--page-size), 32 slots for the plain workload and
+paged sampler runs with page_size 8 (--page_size), 32 slots for the plain workload and
 32 slots for the 128 GRPO sequences (continuous batching), other settings default.
 
 Workloads:
@@ -38,7 +38,6 @@ steps that produced a token / (iterations x slots).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -51,7 +50,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
+from rlx.experiments.benchmarks.timing import best_time, seconds
 from rlx.model import ModelConfig, init_params
 from rlx.sampler import dense, paged
 from rlx.sampler.sampling import SamplingParams
@@ -102,32 +103,22 @@ def make_workload(name: str, quick: bool, vocab: int, seed: int = 0) -> Workload
 # ----------------------------------------------------------------------------- probes
 
 
-def time_call(fn, *, warm: bool = False) -> float:
-  if warm:
-    jax.block_until_ready(fn())
-  start = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - start
-
-
 def probe_machine(quick: bool) -> dict[str, float]:
   """Copy bandwidth (donated in-place pass) and the best f32 GEMM rate of a few shapes."""
   n = (8 if quick else 32) * 2**20
   step = jax.jit(lambda x: x * 1.000001 + 1e-7, donate_argnums=0)
-  x = jnp.ones((n,), jnp.float32)
-  times = []
-  for _ in range(7):
-    x = step(x)
-    start = time.perf_counter()
-    x = jax.block_until_ready(step(x))
-    times.append(time.perf_counter() - start)
-  bandwidth = 2 * 4 * n / min(times)
+  x = [jnp.ones((n,), jnp.float32)]
+
+  def copy():  # each call consumes the buffer the last one returned
+    x[0] = step(x[0])
+    return x[0]
+
+  bandwidth = 2 * 4 * n / best_time(copy, reps=7)
   gemm = 0.0
   for m, k, nn in [(1024, 1024, 1024), (256, 768, 2048), (32, 768, 2048)]:
     a, b = jnp.ones((m, k)), jnp.ones((k, nn))
     f = jax.jit(lambda a, b: a @ b)
-    best = min(time_call(lambda: f(a, b), warm=i == 0) for i in range(7))
-    gemm = max(gemm, 2 * m * k * nn / best)
+    gemm = max(gemm, 2 * m * k * nn / best_time(f, a, b, reps=7))
   return {"bandwidth": bandwidth, "gemm": gemm}
 
 
@@ -246,23 +237,24 @@ def fmt(x, spec=".2f"):
   return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--quick", action="store_true", help="tiny model and workloads (seconds)")
-  ap.add_argument("--sizes", default="3m,100m", help="comma list of " + ",".join(MODELS))
-  ap.add_argument("--workloads", default="plain,grpo")
-  ap.add_argument("--reps", type=int, default=3, help="interleaved timed repetitions")
-  ap.add_argument("--page-size", type=int, default=8)
-  ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
-  ap.add_argument("--cascade", action="store_true",
-                  help="also time the paged sampler with cascade attention (GRPO workloads)")
-  args = ap.parse_args(argv)
-  sizes = ["tiny"] if args.quick else args.sizes.split(",")
-  reps = 1 if args.quick and args.reps == 3 else args.reps
+_QUICK = flags.DEFINE_bool("quick", False, "Tiny model and workloads (seconds).")
+_SIZES = flags.DEFINE_string("sizes", "3m,100m", "Comma list of " + ",".join(MODELS) + ".")
+_WORKLOADS = flags.DEFINE_string("workloads", "plain,grpo", "Comma list of plain, grpo.")
+_REPS = flags.DEFINE_integer("reps", 3, "Interleaved timed repetitions.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 8, "KV cache page size of the paged sampler.")
+_HF = flags.DEFINE_bool("hf", True, "Time Hugging Face generate (--nohf: skip it).")
+_CASCADE = flags.DEFINE_bool("cascade", False, "Also time the paged sampler with cascade "
+                             "attention (GRPO workloads).")
+
+
+def main(argv):
+  del argv
+  sizes = ["tiny"] if _QUICK.value else _SIZES.value.split(",")
+  reps = 1 if _QUICK.value and _REPS.value == 3 else _REPS.value
   print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}, "
         f"{os.cpu_count()} CPUs, f32")
-  probe = probe_machine(args.quick)
+  probe = probe_machine(_QUICK.value)
   print(f"probes: copy bandwidth {probe['bandwidth'] / 1e9:.1f} GB/s, "
         f"best f32 GEMM {probe['gemm'] / 1e9:.0f} GFLOP/s")
 
@@ -272,11 +264,11 @@ def main(argv=None):
     graphdef, params = init_params(cfg, seed=0)
     print(f"\nmodel {size}: {cfg.num_params() / 1e6:.1f}M params")
     with tempfile.TemporaryDirectory() as tmp:
-      for wl_name in args.workloads.split(","):
-        wl = make_workload(wl_name, args.quick, cfg.vocab_size)
-        engines, stats = rlx_engines(cfg, graphdef, params, wl, args.page_size, args.cascade)
+      for wl_name in _WORKLOADS.value.split(","):
+        wl = make_workload(wl_name, _QUICK.value, cfg.vocab_size)
+        engines, stats = rlx_engines(cfg, graphdef, params, wl, _PAGE_SIZE.value, _CASCADE.value)
         note = ""
-        if not args.no_hf:
+        if _HF.value:
           hf, note = hf_engine(cfg, params, wl, tmp)
           if hf is not None:
             engines["hf generate"] = hf
@@ -284,11 +276,11 @@ def main(argv=None):
           print(f"  {wl_name}: {note}")
         for name, fn in engines.items():  # warm-up: compile (HF warmed up by its calibration)
           if name != "hf generate":
-            time_call(fn)
+            seconds(fn)
         times = {name: [] for name in engines}
         for _ in range(reps):
           for name, fn in engines.items():
-            times[name].append(time_call(fn))
+            times[name].append(seconds(fn))
         useful = int(wl.forced.sum())
         floor = roofline_seconds(cfg, wl, probe)
         summ = stats["last"].summary()
@@ -319,4 +311,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

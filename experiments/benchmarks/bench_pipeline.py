@@ -26,9 +26,9 @@ reading the weights and KV cache (each decode step's cost hardly depends on the 
 device, the regime long completions decode in). The table gives the best split and speedup
 for a in {0, 0.5, 1}.
 
-  python experiments/bench_pipeline.py --config=experiments/reasoning.py \
+  python experiments/benchmarks/bench_pipeline.py --config=experiments/reasoning.py \
       --config.warm_start.dir=/tmp/rlx_reasoning/base --workdir_root=/tmp/rlx_bench_pipe
-  python experiments/bench_pipeline.py --config=experiments/arith.py:runlocal --steps=6 \
+  python experiments/benchmarks/bench_pipeline.py --config=experiments/arith.py:runlocal --steps=6 \
       --workdir_root=/tmp/bp_local
 """
 

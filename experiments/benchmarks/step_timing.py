@@ -1,6 +1,7 @@
-"""One training step timed as the trainer runs it: the helper experiments/bench_step.py and
-experiments/ab_step_time.py share (no absl flags, so both can import it; ab_step_time's
-workers run it against an older checkout's rlx, so it uses only long-standing APIs)."""
+"""One training step timed as the trainer runs it: the helper bench_step.py and ab_step_time.py
+(in this folder, experiments/benchmarks/) share (no absl flags, so both can import it;
+ab_step_time's workers run it against an older checkout's rlx, so it uses only long-standing
+APIs)."""
 
 import time
 

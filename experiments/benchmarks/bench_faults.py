@@ -1,8 +1,8 @@
 r"""Page faults of the update: what one jitted value-and-grad costs in fresh host memory.
 
-  python experiments/bench_faults.py --rows=32            # the 100M model of bench_peers
+  python experiments/benchmarks/bench_faults.py --rows=32  # the 100M model of bench_peers
   GLIBC_TUNABLES=glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
-      python experiments/bench_faults.py --rows=32        # freed memory kept in the process
+      python experiments/benchmarks/bench_faults.py --rows=32     # freed memory kept in the process
 
 Times the value-and-grad of a policy-gradient loss on the log-probs of `--rows` random rows of
 7 prompt + 128 completion tokens (bench_peers' workload) at bench_peers' model shape, and
@@ -11,39 +11,41 @@ process's peak RSS and an f32 2048^3 GEMM probe. XLA:CPU maps its temporary buff
 every call and unmaps it after, so each call faults that memory in again; see README
 ("Training step vs TRL") for what that costs on a VM.
 
-  python experiments/bench_faults.py --rows=32 --micro_rows=8 --calls=4
+  python experiments/benchmarks/bench_faults.py --rows=32 --micro_rows=8 --calls=4
 
 times rlx's whole update (`train.update`, AdamW, one minibatch) on the same rows instead, the
 whole batch at once (A) against gradient accumulation over micro-batches of --micro_rows rows
-(B, `rl.update_micro_rows`), the two alternating call by call, and prints XLA's temporary
+(B, `update_shape.micro_rows`), the two alternating call by call, and prints XLA's temporary
 buffer size for each and the median B / A time.
 """
 
-import argparse
-import os
 import resource
-import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 from rlx import train
 from rlx.model import transformer
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--rows", type=int, default=32)
-  p.add_argument("--size", default="100m", choices=("tiny", "3m", "100m"))
-  p.add_argument("--calls", type=int, default=3)
-  p.add_argument("--micro_rows", type=int, default=0,
-                 help="> 0: rlx's update, whole batch vs micro-batches of this many rows.")
-  args = p.parse_args()
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from bench_peers import MODELS  # pylint: disable=g-import-not-at-top
-  from rlx.experiments.roofline import gemm_peak  # pylint: disable=g-import-not-at-top
+_FLAGS = (
+    flags.DEFINE_integer("rows", 32, "Rows of 7 prompt + 128 completion tokens."),
+    flags.DEFINE_enum("size", "100m", ["tiny", "3m", "100m"], "bench_peers' model shape."),
+    flags.DEFINE_integer("calls", 3, "Timed calls."),
+    flags.DEFINE_integer("micro_rows", 0, "> 0: rlx's update, whole batch vs micro-batches of "
+                         "this many rows."),
+)
+
+
+def main(argv) -> None:
+  del argv
+  args = types.SimpleNamespace(**{f.name: f.value for f in _FLAGS})
+  from rlx.experiments.benchmarks.bench_peers import MODELS  # pylint: disable=g-import-not-at-top
+  from rlx.experiments.benchmarks.roofline import gemm_peak  # pylint: disable=g-import-not-at-top
   cfg = MODELS[args.size]
   graphdef, params = transformer.init_params(cfg, 0)
   rng = np.random.default_rng(0)
@@ -87,7 +89,7 @@ def accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv) ->
   import functools  # pylint: disable=g-import-not-at-top
   import statistics  # pylint: disable=g-import-not-at-top
   from rlx.rl.loss import LossConfig  # pylint: disable=g-import-not-at-top
-  from rlx.experiments.roofline import gemm_peak  # pylint: disable=g-import-not-at-top
+  from rlx.experiments.benchmarks.roofline import gemm_peak  # pylint: disable=g-import-not-at-top
   from rlx import sharding as shd  # pylint: disable=g-import-not-at-top
   from rlx.sampler.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
   b, t = comps.shape
@@ -136,4 +138,4 @@ def accumulation_ab(args, graphdef, params, prompts, plens, comps, lens, adv) ->
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

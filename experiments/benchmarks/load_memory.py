@@ -1,8 +1,8 @@
 r"""Peak host memory of `rlx.model.hf.load_hf` against the checkpoint's size.
 
-  python experiments/load_memory.py                       # ~0.5B params (Qwen2.5-0.5B shape), f32
-  python experiments/load_memory.py --dtype=bfloat16      # same model, bf16 files loaded as bf16
-  python experiments/load_memory.py --params=5e6 --json   # ~20 MB, seconds (the test uses this)
+  python experiments/benchmarks/load_memory.py              # ~0.5B params (Qwen2.5-0.5B shape), f32
+  python experiments/benchmarks/load_memory.py --dtype=bfloat16  # same model, bf16 files as bf16
+  python experiments/benchmarks/load_memory.py --params=5e6 --json  # ~20 MB, seconds (the test)
 
 Writes a random checkpoint one tensor at a time (the writer never holds the model), then
 loads it in a fresh subprocess whose resident memory is sampled every 2 ms (and checked
@@ -13,7 +13,6 @@ best possible peak is baseline + checkpoint size; the table shows how close the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -24,6 +23,7 @@ import threading
 import time
 
 import numpy as np
+from absl import app, flags
 
 
 def _config(num_params: float):
@@ -96,40 +96,41 @@ def measure_load(ckpt_dir: str, dtype: str) -> dict:
           "load_seconds": seconds}
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--params", type=float, default=5e8, help="approximate parameter count")
-  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                  help="dtype of the files and of the loaded params")
-  ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: temp)")
-  ap.add_argument("--json", action="store_true", help="print one JSON line only")
-  ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child mode
-  args = ap.parse_args(argv)
-  if args.measure:
-    print(json.dumps(measure_load(args.measure, args.dtype)))
+_PARAMS = flags.DEFINE_float("params", 5e8, "Approximate parameter count.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "Dtype of the files and of the loaded params.")
+_DIR = flags.DEFINE_string("dir", None, "Where to write the checkpoint (default: a temp dir).")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON line only.")
+_MEASURE = flags.DEFINE_string("measure", None, "Child mode: load this checkpoint and measure.")
+
+
+def main(argv):
+  del argv
+  if _MEASURE.value:
+    print(json.dumps(measure_load(_MEASURE.value, _DTYPE.value)))
     return
 
-  with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+  with tempfile.TemporaryDirectory(dir=_DIR.value) as tmp:
     ckpt = os.path.join(tmp, "ckpt")
     t0 = time.perf_counter()
-    num_params, size = write_checkpoint(ckpt, args.params, args.dtype)
+    num_params, size = write_checkpoint(ckpt, _PARAMS.value, _DTYPE.value)
     write_s = time.perf_counter() - t0
     writer_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     child = subprocess.run([sys.executable, os.path.abspath(__file__), f"--measure={ckpt}",
-                            f"--dtype={args.dtype}"], capture_output=True, text=True, check=False)
+                            f"--dtype={_DTYPE.value}"], capture_output=True, text=True, check=False)
     if child.returncode:
       sys.exit(f"loader subprocess failed:\n{child.stderr[-3000:]}")
     r = json.loads(child.stdout.strip().splitlines()[-1])
   increase = r["peak_rss_bytes"] - r["baseline_rss_bytes"]
-  result = {"num_params": num_params, "dtype": args.dtype, "checkpoint_bytes": size,
+  result = {"num_params": num_params, "dtype": _DTYPE.value, "checkpoint_bytes": size,
             "writer_peak_rss_bytes": writer_rss, "write_seconds": write_s, **r,
             "rss_increase_bytes": increase, "increase_over_checkpoint": increase / size,
             "peak_over_checkpoint": r["peak_rss_bytes"] / size}
-  if args.json:
+  if _JSON.value:
     print(json.dumps(result))
     return
   mb = lambda b: f"{b / 2**20:,.0f} MiB"  # pylint: disable=unnecessary-lambda-assignment
-  rows = [("parameters", f"{num_params / 1e6:,.1f} M ({args.dtype})"),
+  rows = [("parameters", f"{num_params / 1e6:,.1f} M ({_DTYPE.value})"),
           ("checkpoint on disk", mb(size)),
           ("writer peak RSS", mb(writer_rss)),
           ("loader baseline RSS (jax + rlx imported)", mb(r["baseline_rss_bytes"])),
@@ -146,4 +147,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -31,9 +31,9 @@ estimates, on prompts the estimators never saw:
      signal), the realised mixed-group chance of the chosen prompts (from p^), next to a random
      choice and an oracle that knows p^.
 
-  python experiments/pass_rate_prior.py --task=arith --workdir=/tmp/prior_arith \
+  python experiments/benchmarks/pass_rate_prior.py --task=arith --workdir=/tmp/prior_arith \
       --set=warm_start.dir=/tmp/eff_arith/base_run/base --set=task.data_dir=/tmp/eff_arith/data
-  python experiments/pass_rate_prior.py --task=reasoning --workdir=/tmp/prior_reason \
+  python experiments/benchmarks/pass_rate_prior.py --task=reasoning --workdir=/tmp/prior_reason \
       --set=warm_start.dir=/tmp/eff_reason/base_run/base --set=task.data_dir=/tmp/eff_reason/data \
       --prompts=256
 
@@ -77,14 +77,14 @@ _RAW = flags.DEFINE_string("raw", "", "Score the samples saved by an earlier run
 _OVERRIDES = flags.DEFINE_multi_string("set", [], "Extra config overrides key=value "
                                        "(python literal values).", **_F)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the configs
 
 
 def _config():
   import ast  # pylint: disable=g-import-not-at-top
   import rlx  # pylint: disable=g-import-not-at-top
   from rlx import configs  # pylint: disable=g-import-not-at-top
-  base = rlx.load_config(os.path.join(HERE, f"{_TASK.value}.py"))
+  base = rlx.load_config(os.path.join(EXPERIMENTS, f"{_TASK.value}.py"))
   o = {"seed": _SEED.value, "rl.group_size": _GROUP.value,
        "rl.prompts_per_step": _PER_STEP.value, "selection.mode": "uniform",
        "replay.enabled": False}

@@ -14,17 +14,18 @@ rotating order so that the machine's load falls on all three alike:
 Prints the median (and 90th percentile) time per step of each, the worker's overhead over the
 thread, the median step time for scale, and the one-off cost of forking the worker.
 
-  python experiments/host_reward_worker.py --steps=40 --workdir=/tmp/rlx_hrw
-  python experiments/host_reward_worker.py --config=experiments/arith.py:runlocal --steps=20
+  python experiments/benchmarks/host_reward_worker.py --steps=40 --workdir=/tmp/rlx_hrw
+  python experiments/benchmarks/host_reward_worker.py --config=experiments/arith.py:runlocal \
+      --steps=20
 """
 
-import argparse
 import os
 import statistics
 import time
 
 import jax
 import numpy as np
+from absl import app, flags
 
 import rlx
 from rlx import reward_worker, train, trainer
@@ -35,23 +36,23 @@ def _q(xs, q):
   return float(np.quantile(np.asarray(xs), q))
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--config", default="experiments/arith.py",
-                  help="config file or shipped name, optionally :arg")
-  ap.add_argument("--reward", default="exact", help="config.task.reward (a host reward)")
-  ap.add_argument("--steps", type=int, default=40)
-  ap.add_argument("--repeats", type=int, default=5, help="reward calls per way per step")
-  ap.add_argument("--workdir", default="/tmp/rlx_host_reward_worker")
-  args = ap.parse_args()
+_CONFIG = flags.DEFINE_string("config", "experiments/arith.py",
+                              "Config file or shipped name, optionally :arg.")
+_REWARD = flags.DEFINE_string("reward", "exact", "config.task.reward (a host reward).")
+_STEPS = flags.DEFINE_integer("steps", 40, "Training steps.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Reward calls per way per step.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rlx_host_reward_worker", "Workdir.")
 
-  path, _, arg = args.config.partition(":")
-  cfg = rlx.with_overrides(rlx.load_config(path, arg), {"task.reward": args.reward})
-  setup = trainer.build(cfg, args.workdir, log=print)
+
+def main(argv):
+  del argv
+  path, _, arg = _CONFIG.value.partition(":")
+  cfg = rlx.with_overrides(rlx.load_config(path, arg), {"task.reward": _REWARD.value})
+  setup = trainer.build(cfg, _WORKDIR.value, log=print)
   exp, fns, mesh, step_cfg = setup.exp, setup.fns, setup.mesh, setup.step_cfg
   fn = trainer.host_reward_fn(setup.spec)
-  assert fn is not None, f"task.reward={args.reward!r} is not a host reward"
-  name = repr(args.reward)
+  assert fn is not None, f"task.reward={_REWARD.value!r} is not a host reward"
+  name = repr(_REWARD.value)
   thread = reward_worker.RewardWorker(fn, name=name, use_process=False)
   worker = reward_worker.RewardWorker(fn, name=name, use_process=True)
   calls = {"direct": lambda a, k: fn(*a, **k),
@@ -64,7 +65,7 @@ def main():
   step_s, batch_sizes, chars = [], [], []
   fork_s = None
   try:
-    for step in range(args.steps + 1):
+    for step in range(_STEPS.value + 1):
       t0 = time.perf_counter()
       state, batch, _ = fns.generate(state, pool)
       a, k = trainer._reward_args(batch.batch, exp)  # pylint: disable=protected-access
@@ -77,7 +78,7 @@ def main():
       results = {}
       for w in order:
         ts = []
-        for _ in range(args.repeats):
+        for _ in range(_REPEATS.value):
           t = time.perf_counter()
           results[w] = np.asarray(calls[w](a, k), np.float32)
           ts.append(time.perf_counter() - t)
@@ -99,9 +100,9 @@ def main():
     worker.close()
 
   n = len(step_s)
-  print(f"\n{n} steps of {args.config} with task.reward={args.reward!r}: {batch_sizes[0]} "
+  print(f"\n{n} steps of {_CONFIG.value} with task.reward={_REWARD.value!r}: {batch_sizes[0]} "
         f"completions per step ({statistics.median(chars) / batch_sizes[0]:.1f} characters "
-        f"each, median); each way called {args.repeats} times per step, median per step")
+        f"each, median); each way called {_REPEATS.value} times per step, median per step")
   print(f"| way | median ms per step | p90 ms |")
   print(f"|---|---|---|")
   for w in calls:
@@ -127,4 +128,4 @@ def _rss_mb() -> float:
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

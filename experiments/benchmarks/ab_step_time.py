@@ -10,16 +10,16 @@ only one of the two computes at a time. Prints the median step / generation / up
 each and the median of the per-step ratios B / A.
 
   git worktree add /tmp/wt_before <commit>
-  python experiments/ab_step_time.py --a=/tmp/wt_before --b=. --steps=30 -- \
+  python experiments/benchmarks/ab_step_time.py --a=/tmp/wt_before --b=. --steps=30 -- \
       --config=experiments/arith.py --config.warm_start.dir=/tmp/rlx_arith/base
 
 To compare two configs of one checkout, give both the same path and the difference as
---a_extra / --b_extra (e.g. --a=. --b=. --b_extra='--config.rl.update_micro_rows=32').
+--a_extra / --b_extra (e.g. --a=. --b=. --b_extra='--config.update_shape.micro_rows=32').
 
 Everything after `--` goes to both workers (config and its overrides); each worker uses its
 own workdir under --workdir_root. The workers time the step bench_step.py times
-(experiments/step_timing.py, from this tree: trainer.build's rollout / update halves, or with
-a Python reward, task.reward, generate / host reward / score + update), using only APIs rlx
+(experiments/benchmarks/step_timing.py, from this tree: trainer.build's rollout / update halves,
+or with a Python reward, task.reward, generate / host reward / score + update), using only APIs rlx
 has long had, so an older checkout runs unchanged.
 """
 
@@ -31,6 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+
+from absl import app, flags
 
 _ROLES = ("A", "B")
 
@@ -58,7 +61,6 @@ def _set_turn(path: str, value: str) -> None:
 
 def worker(role: str, turn_dir: str, steps: int, workdir: str, config_argv: list[str]) -> None:
   import jax  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
   import rlx  # pylint: disable=g-import-not-at-top
@@ -93,24 +95,25 @@ def worker(role: str, turn_dir: str, steps: int, workdir: str, config_argv: list
     json.dump({"rlx": os.path.dirname(rlx.__file__), "times": times}, f)
 
 
+_A = flags.DEFINE_string("a", None, "Checkout A (PYTHONPATH of worker A).")
+_B = flags.DEFINE_string("b", None, "Checkout B (PYTHONPATH of worker B).")
+_STEPS = flags.DEFINE_integer("steps", 30, "Timed steps per worker.")
+_WORKDIR_ROOT = flags.DEFINE_string("workdir_root", "", "Workers' workdirs (default: a temp "
+                                    "dir).")
+_A_EXTRA = flags.DEFINE_string("a_extra", "", "Config overrides for A only, e.g. "
+                               "'--config.update_shape.micro_rows=32' (shell-split, after the "
+                               "shared ones).")
+_B_EXTRA = flags.DEFINE_string("b_extra", "", "Config overrides for B only (as --a_extra).")
+_ROLE = flags.DEFINE_enum("role", None, list(_ROLES), "Internal: run as this worker.")
+_TURN_DIR = flags.DEFINE_string("turn_dir", None, "Internal: the workers' turn file's folder.")
+
+
 def main(argv: list[str]) -> None:
-  import argparse  # pylint: disable=g-import-not-at-top
-  if "--" in argv:
-    i = argv.index("--")
-    argv, config_argv = argv[:i], argv[i + 1:]
-  else:
-    config_argv = []
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--a", required=True, help="checkout A (PYTHONPATH of worker A)")
-  p.add_argument("--b", required=True, help="checkout B (PYTHONPATH of worker B)")
-  p.add_argument("--steps", type=int, default=30, help="timed steps per worker")
-  p.add_argument("--workdir_root", default="", help="workers' workdirs (default: a temp dir)")
-  p.add_argument("--a_extra", default="", help="config overrides for A only, e.g. "
-                 "'--config.rl.update_micro_rows=32' (shell-split, after the shared ones)")
-  p.add_argument("--b_extra", default="", help="config overrides for B only (as --a_extra)")
-  p.add_argument("--role", choices=_ROLES, help=argparse.SUPPRESS)
-  p.add_argument("--turn_dir", help=argparse.SUPPRESS)
-  args = p.parse_args(argv)
+  config_argv = argv[1:]  # what follows `--`: the config and its overrides, for both workers
+  if not _A.value or not _B.value:
+    raise app.UsageError("--a and --b (the two checkouts) are required.")
+  args = types.SimpleNamespace(**{f.name: f.value for f in (
+      _A, _B, _STEPS, _WORKDIR_ROOT, _A_EXTRA, _B_EXTRA, _ROLE, _TURN_DIR)})
   root = args.workdir_root or tempfile.mkdtemp(prefix="ab_step_time_")
   if args.role:
     extra = args.a_extra if args.role == "A" else args.b_extra
@@ -150,4 +153,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  app.run(main)

@@ -1,11 +1,12 @@
 r"""Training-step time against peers: rlx vs TRL's `GRPOTrainer` and Tunix's `GRPOLearner`,
 same workload, one run.
 
-  python experiments/bench_peers.py --size=3m --steps=6 --out=/tmp/peers_3m.md
-  python experiments/bench_peers.py --size=100m --steps=5
-  python experiments/bench_peers.py --size=tiny --steps=2          # seconds: a smoke run
-  python experiments/bench_peers.py --size=3m --rlx_only           # rlx alone (no torch)
-  python experiments/bench_peers.py --size=3m --peers=trl,tunix --tunix_python=/tmp/tx/bin/python
+  python experiments/benchmarks/bench_peers.py --size=3m --steps=6 --out=/tmp/peers_3m.md
+  python experiments/benchmarks/bench_peers.py --size=100m --steps=5
+  python experiments/benchmarks/bench_peers.py --size=tiny --steps=2          # seconds: a smoke run
+  python experiments/benchmarks/bench_peers.py --size=3m --rlx_only           # rlx alone (no torch)
+  python experiments/benchmarks/bench_peers.py --size=3m --peers=trl,tunix \
+      --tunix_python=/tmp/tx/bin/python
 
 Tunix (google-tunix 0.1.7) pins safetensors<0.8, which holds transformers at 5.12, older than
 TRL 1.16 needs; so it lives in a venv of its own (python -m venv /tmp/tx && /tmp/tx/bin/pip
@@ -57,31 +58,32 @@ OMP_WAIT_POLICY=PASSIVE, so its idle OpenMP threads do not spin while JAX works.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import dataclasses
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch's OpenMP starts
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 import rlx  # noqa: E402
 from rlx import train, trainer  # noqa: E402
+from rlx.experiments.benchmarks.timing import median  # noqa: E402
 from rlx.model.config import ModelConfig  # noqa: E402
 
 # Llama-shaped (silu MLP, GQA, RoPE, RMSNorm, tied embeddings); 3m and 100m are the shapes of
-# experiments/bench_sampler.py.
+# experiments/benchmarks/bench_sampler.py.
 MODELS = {
     "tiny": ModelConfig(vocab_size=512, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
                         head_dim=16, mlp_dim=128),
@@ -219,7 +221,7 @@ def _overrides(extra) -> dict:
   for item in extra:
     key, sep, value = item.partition("=")
     if not sep or not key:
-      raise SystemExit(f"--rlx {item!r}: expected key=value, e.g. rl.update_micro_rows=8.")
+      raise SystemExit(f"--rlx {item!r}: expected key=value, e.g. update_shape.micro_rows=8.")
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
@@ -572,10 +574,6 @@ def take_turns(names, args, root: str, prompt_len: int, total: int) -> dict:
 # ============================================================================= report
 
 
-def _median(xs) -> float:
-  return statistics.median(xs) if xs else float("nan")
-
-
 PEER_NAMES = {"trl": "TRL", "tunix": "Tunix"}
 
 
@@ -584,24 +582,24 @@ def report(size: str, params: int, rlx_rows, peer_rows: dict, warmup: int, load_
   """The markdown table: one row per peer (rlx's cells repeat), or rlx alone."""
   r = rlx_rows[warmup:]
   gen, upd = [x[0] for x in r], [x[1] for x in r]
-  rlx_step = _median([a + b for a, b in zip(gen, upd)])
+  rlx_step = median([a + b for a, b in zip(gen, upd)])
   head = ("| model | params | rlx step s (gen + update) | rlx gen tok/step | rlx gen tok/s "
           "| peer | peer step s (gen + rest) | peer gen tok/step | peer gen tok/s "
           "| peer / rlx step | steps (each) | load rlx / peer |")
   sep = "|" + "---|" * 12
-  rlx_cells = (f"| {size} | {params / 1e6:.2f}M | {rlx_step:.2f} ({_median(gen):.2f} + "
-               f"{_median(upd):.2f}) | {_median([x[2] for x in r]):.0f} | "
-               f"{_median([x[2] / x[0] for x in r]):.0f} |")
-  rlx_load = f"{_median([x[4] for x in r]):.1f}"
+  rlx_cells = (f"| {size} | {params / 1e6:.2f}M | {rlx_step:.2f} ({median(gen):.2f} + "
+               f"{median(upd):.2f}) | {median([x[2] for x in r]):.0f} | "
+               f"{median([x[2] / x[0] for x in r]):.0f} |")
+  rlx_load = f"{median([x[4] for x in r]):.1f}"
   rows = []
   for name, rows_ in (peer_rows or {}).items():
     t = rows_[warmup:]
-    step = _median([x[0] for x in t])
+    step = median([x[0] for x in t])
     rows.append(
-        f"{rlx_cells} {PEER_NAMES.get(name, name)} | {step:.2f} ({_median([x[1] for x in t]):.2f}"
-        f" + {_median([x[0] - x[1] for x in t]):.2f}) | {_median([x[2] for x in t]):.0f} | "
-        f"{_median([x[2] / x[1] for x in t]):.0f} | **{step / rlx_step:.2f}x** | {len(r)} | "
-        f"{rlx_load} / {_median([x[4] for x in t]):.1f} |")
+        f"{rlx_cells} {PEER_NAMES.get(name, name)} | {step:.2f} ({median([x[1] for x in t]):.2f}"
+        f" + {median([x[0] - x[1] for x in t]):.2f}) | {median([x[2] for x in t]):.0f} | "
+        f"{median([x[2] / x[1] for x in t]):.0f} | **{step / rlx_step:.2f}x** | {len(r)} | "
+        f"{rlx_load} / {median([x[4] for x in t]):.1f} |")
   if not rows:
     rows.append(f"{rlx_cells} - | - | - | - | - | {len(r)} | {rlx_load} / - |")
   note = (f"\nMedians of {len(r)} steady steps each ({warmup} warm-up step(s) dropped; "
@@ -629,42 +627,47 @@ def _per_step(rlx_rows, peer_rows: dict) -> str:
   return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--size", choices=sorted(MODELS), default="3m")
-  p.add_argument("--steps", type=int, default=6, help="Timed steady steps of each trainer.")
-  p.add_argument("--warmup", type=int, default=1, help="Steps dropped first (compile, init).")
-  p.add_argument("--peers", default=",".join(
-      n for n, ok in (("trl", trl_available()), ("tunix", tunix_available())) if ok),
-                 help="Comma-separated peers among trl, tunix, or '' (default: each one "
-                      "that is importable).")
-  p.add_argument("--rlx_only", action="store_true", help="Time rlx alone.")
-  p.add_argument("--sampler", default="paged", choices=("paged", "dense"), help="rlx sampler.")
-  p.add_argument("--eos_in_vocab", action="store_true",
-                 help="EOS the model can sample (completions may stop early, unequal work).")
-  p.add_argument("--workdir", default="", help="Scratch directory (default: a temp dir).")
-  p.add_argument("--out", default="", help="Also write the table (markdown) here.")
-  p.add_argument("--rlx", action="append", default=[], metavar="KEY=VALUE",
-                 help="An rlx config override for its side (repeatable), e.g. "
-                      "--rlx=rl.update_micro_rows=8.")
-  p.add_argument("--tunix_python", default="",
-                 help="Interpreter for the Tunix worker (default: this one). Tunix 0.1.7 pins "
-                      "safetensors<0.8, which holds transformers at 5.12, older than TRL 1.16 "
-                      "runs on: give Tunix a venv of its own with rlx installed "
-                      "(pip install -e '.[tunix]') and point this at its bin/python.")
-  p.add_argument("--trl_device", default="auto", choices=("auto", "cpu", "cuda"),
-                 help="Where TRL's GRPOTrainer runs: auto (default) = the GPU when torch sees "
-                      "one, else the CPU; cpu; cuda (an error without one).")
-  p.add_argument("--same_process", action="store_true",
-                 help="Both trainers in this process (the first method; see the docstring).")
-  p.add_argument("--schedule", default="turns", choices=("turns", "blocks"),
-                 help="Worker processes: one step each in turn, or all of one trainer's steps "
-                      "then the other's (see the docstring).")
-  p.add_argument("--_worker", default="", choices=("", "rlx", "trl", "tunix"),
-                 help=argparse.SUPPRESS)
-  p.add_argument("--_prompt_len", type=int, default=0, help=argparse.SUPPRESS)
-  args = p.parse_args(argv)
+def define_flags() -> tuple:
+  """The command line's flags, defined when this file runs as a script (not at import: a
+  bench_peers_config.py run imports this module into rlx.main, whose --workdir is its own)."""
+  return (
+      flags.DEFINE_enum("size", "3m", sorted(MODELS), "Model shape."),
+      flags.DEFINE_integer("steps", 6, "Timed steady steps of each trainer."),
+      flags.DEFINE_integer("warmup", 1, "Steps dropped first (compile, init)."),
+      flags.DEFINE_string("peers", ",".join(
+          n for n, ok in (("trl", trl_available()), ("tunix", tunix_available())) if ok),
+                          "Comma-separated peers among trl, tunix, or '' (default: each one "
+                          "that is importable)."),
+      flags.DEFINE_bool("rlx_only", False, "Time rlx alone."),
+      flags.DEFINE_enum("sampler", "paged", ["paged", "dense"], "rlx sampler."),
+      flags.DEFINE_bool("eos_in_vocab", False, "EOS the model can sample (completions may "
+                        "stop early, unequal work)."),
+      flags.DEFINE_string("workdir", "", "Scratch directory (default: a temp dir)."),
+      flags.DEFINE_string("out", "", "Also write the table (markdown) here."),
+      flags.DEFINE_multi_string("rlx", [], "An rlx config override KEY=VALUE for its side "
+                                "(repeatable), e.g. --rlx=update_shape.micro_rows=8."),
+      flags.DEFINE_string("tunix_python", "", "Interpreter for the Tunix worker (default: this "
+                          "one). Tunix 0.1.7 pins safetensors<0.8, which holds transformers at "
+                          "5.12, older than TRL 1.16 runs on: give Tunix a venv of its own "
+                          "with rlx installed (pip install -e '.[tunix]') and point this at "
+                          "its bin/python."),
+      flags.DEFINE_enum("trl_device", "auto", ["auto", "cpu", "cuda"], "Where TRL's "
+                        "GRPOTrainer runs: auto = the GPU when torch sees one, else the CPU; "
+                        "cpu; cuda (an error without one)."),
+      flags.DEFINE_bool("same_process", False, "Both trainers in this process (the first "
+                        "method; see the docstring)."),
+      flags.DEFINE_enum("schedule", "turns", ["turns", "blocks"], "Worker processes: one "
+                        "step each in turn, or all of one trainer's steps then the other's "
+                        "(see the docstring)."),
+      flags.DEFINE_enum("_worker", "", ["", "rlx", "trl", "tunix"], "Internal: run as this "
+                        "worker process."),
+      flags.DEFINE_integer("_prompt_len", 0, "Internal: the workers' prompt length."),
+  )
+
+
+def main(argv, flag_holders) -> None:
+  del argv
+  args = types.SimpleNamespace(**{f.name: f.value for f in flag_holders})
   if args._worker:  # pylint: disable=protected-access
     worker(args)
     return
@@ -735,4 +738,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  _flag_holders = define_flags()
+  app.run(lambda argv: main(argv, _flag_holders))

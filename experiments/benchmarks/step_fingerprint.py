@@ -6,9 +6,10 @@ model: equal HLO hashes mean the same computation, so any step-time difference i
 Runs the trainer's own jitted halves (rollout, then update) exactly as bench_step.py does, so
 it runs unchanged against an older checkout (PYTHONPATH=/path/to/checkout):
 
-  python experiments/step_fingerprint.py --config=experiments/arith.py --workdir=/tmp/fp_new \
+  python experiments/benchmarks/step_fingerprint.py --config=experiments/arith.py \
+      --workdir=/tmp/fp_new \
       --config.warm_start.dir=/tmp/rlx_arith/base --steps=3 > /tmp/fp_new.txt
-  PYTHONPATH=/tmp/wt_before python experiments/step_fingerprint.py ... > /tmp/fp_old.txt
+  PYTHONPATH=/tmp/wt_before python experiments/benchmarks/step_fingerprint.py ... > /tmp/fp_old.txt
   diff /tmp/fp_old.txt /tmp/fp_new.txt
 """
 
