@@ -30,6 +30,33 @@ from rlx.specs import (PIPELINE_MODES, SAMPLER_IMPLS, CheckpointSpec, GuardSpec,
 
 MAX_TOKENS = chk.MAX_TOKENS
 
+# Keys that moved: a config or override that still sets one is refused, naming the new key.
+MOVED_KEYS = {
+    "rl.update_buckets": "update_shape.width_buckets",
+    "rl.update_parts": "update_shape.length_parts",
+    "rl.update_micro_rows": "update_shape.micro_rows",
+    "rl.cpu_micro_tokens": "update_shape.cpu_micro_tokens",
+    "rl.drop_zero_adv_rows": "",  # always on where it gives the same step
+}
+
+
+def moved_key_error(key: str) -> ConfigError | None:
+  """The one-line error for a key that moved ("rl.update_buckets"), or None."""
+  key = key.removeprefix("config.")
+  if key not in MOVED_KEYS:
+    return None
+  if MOVED_KEYS[key]:
+    return ConfigError(f"config.{key} is now config.{MOVED_KEYS[key]}; set that instead.")
+  return ConfigError(f"config.{key} is no longer a key: rows without signal are left out "
+                     f"wherever that gives the same step (one minibatch, no KL term); remove it.")
+
+
+def _refuse_moved_keys(config) -> None:
+  for key in MOVED_KEYS:
+    section, _, leaf = key.partition(".")
+    if section in config and leaf in config[section]:
+      raise moved_key_error(key)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RunSpec:
@@ -71,6 +98,7 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
   data x fsdp) the batches are split over."""
   if isinstance(config, RunSpec):
     return config
+  _refuse_moved_keys(config)
   for key in ("total_steps", "eval_every"):
     chk.integer(config, key)
   checkpoint = CheckpointSpec.from_config(config)
@@ -214,26 +242,28 @@ def defaults() -> mlc.ConfigDict:
   # Update cost and memory (rlx.train.update). Log-probs over `logprob_chunk` completion
   # positions at a time (0: all at once; long completions x large vocabularies want 128-512:
   # [rows, chunk, V] f32 logits live instead of [rows, T, V]); per-layer rematerialisation;
-  # pi_old taken from the first minibatch's gradient pass (no separate forward); the update
-  # compiles for `update_buckets` completion widths and cuts the padding columns.
+  # pi_old taken from the first minibatch's gradient pass (no separate forward).
   c.rl.logprob_chunk = 0
   c.rl.remat = False
   c.rl.fuse_pi_old = True
-  c.rl.update_buckets = 4
-  # With one minibatch and no KL term, zero-advantage rows add nothing to the gradient: the
-  # update then computes on half the rows when at most half carry signal (same result).
-  c.rl.drop_zero_adv_rows = True
-  # With one minibatch, the rows are sorted by length and split into `update_parts` equal
+
+  # The update's static shape (rlx.update_plan): what it computes on, not what it computes
+  # (every setting gives the same step, up to float summation order). It compiles for `width_buckets` completion widths and
+  # cuts the padding columns; rows without signal are left out where at most half carry any
+  # (one minibatch, no KL term: they add nothing to the gradient).
+  c.update_shape = mlc.ConfigDict()
+  c.update_shape.width_buckets = 4
+  # With one minibatch, the rows are sorted by length and split into `length_parts` equal
   # micro-batches, each cut to its own width (gradients summed: one optimizer step, same
   # result); short rows stop paying for the longest row's width. 1 = off.
-  c.rl.update_parts = 2
+  c.update_shape.length_parts = 2
   # Gradient accumulation: > 0 splits the update (one minibatch) into micro-batches of at most
   # this many rows, run as a scan (one part's activations live at a time), also when their
   # widths are equal; the gradients are summed (same step). A memory knob, and on CPU a speed
   # one: 8 at 100M cut XLA's temporary buffer 5.05 -> 1.05 GB and the update 36.5 -> 24.6 s
-  # (`experiments/benchmarks/bench_faults.py --micro_rows=8`). 0 = off (`update_parts` alone).
-  c.rl.update_micro_rows = 0
-  # On the CPU backend, where update_micro_rows is 0 and there is one minibatch: micro-batches
+  # (`experiments/benchmarks/bench_faults.py --micro_rows=8`). 0 = off (`length_parts` alone).
+  c.update_shape.micro_rows = 0
+  # On the CPU backend, where micro_rows is 0 and there is one minibatch: micro-batches
   # of at most this many padded tokens (rows x (max_prompt_len + max_new_tokens)). There the
   # whole batch's temporaries cost page faults and cache misses more than the smaller GEMMs
   # lose: at 2048 tokens, update 0.89x on the default experiment (2 parts) and on the
@@ -241,7 +271,7 @@ def defaults() -> mlc.ConfigDict:
   # against 2048: 0.85-0.88x at 100M (8 parts of 4 rows), 0.95x / 0.98x on the default /
   # reasoning experiments; 512 no better than 1024 at 100M. Accelerators keep the whole
   # batch (not measured there). 0 = off.
-  c.rl.cpu_micro_tokens = 1024
+  c.update_shape.cpu_micro_tokens = 1024
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()
@@ -352,6 +382,8 @@ def with_overrides(config: mlc.ConfigDict, overrides: dict[str, Any]) -> mlc.Con
   must exist (as on the command line)."""
   out = mlc.ConfigDict(config.to_dict())
   for key, value in overrides.items():
+    if moved_key_error(key):
+      raise moved_key_error(key)
     node = out
     *parents, leaf = key.split(".")
     for p in parents:

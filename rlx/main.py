@@ -163,6 +163,9 @@ def parse_flags(argv):
   except AttributeError as e:  # ml_collections: an unknown key, often with "Did you mean"
     text = str(e)
     overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+    moved = [configs.moved_key_error(o[2:]) for o in overrides]
+    if any(moved):
+      fail(str(next(m for m in moved if m)))
     hint = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', text)
     if hint:
       bad = next((o for o in overrides if o.endswith("." + hint.group(2))), hint.group(2))

@@ -77,7 +77,7 @@ DEFAULT_ACTIVATION_MARGIN = 1.2
 _HINT_FSDP = "more FSDP (config.mesh.fsdp)"
 _HINT_BF16 = "bf16 master weights (config.model.param_dtype='bfloat16')"
 _HINT_PROMPTS = "fewer config.rl.prompts_per_step (or a smaller rl.group_size)"
-_HINT_MINIBATCH = ("config.rl.update_micro_rows (gradient accumulation, same step) or more "
+_HINT_MINIBATCH = ("config.update_shape.micro_rows (gradient accumulation, same step) or more "
                    "config.rl.num_minibatches")
 _HINT_POOL = ("a smaller KV pool (config.sampler.num_pages / max_slots) or a shorter "
               "sampler.max_new_tokens")

@@ -232,8 +232,7 @@ class RLSpec:
   logprob_chunk: int
   remat: bool
   fuse_pi_old: bool
-  update_buckets: int
-  drop_zero_adv_rows: bool
+  update_buckets: int  # config.update_shape (the step's fields of the same name)
   update_parts: int
   update_micro_rows: int
 
@@ -253,10 +252,10 @@ class RLSpec:
              f"the training batch of {batch + replay_rows} rows (prompts_per_step * group_size"
              f"{' + replay.num_samples' if replay_rows else ''}) does not split into "
              f"config.rl.num_minibatches={rl.num_minibatches} equal minibatches.")
-    micro = rl.get("update_micro_rows", 0)
+    micro = config.update_shape.micro_rows if "update_shape" in config else 0
     chk.need(not micro or rl.num_minibatches == 1,
-             f"config.rl.update_micro_rows={micro} (gradient accumulation within one optimizer "
-             f"step) needs config.rl.num_minibatches=1, got {rl.num_minibatches}.")
+             f"config.update_shape.micro_rows={micro} (gradient accumulation within one "
+             f"optimizer step) needs config.rl.num_minibatches=1, got {rl.num_minibatches}.")
     chk.need(batch % num_batch_devices == 0,
              f"config.rl.prompts_per_step * config.rl.group_size = {batch} rollouts cannot be "
              f"split over the {num_batch_devices} data-parallel devices (mesh data x fsdp); "
@@ -266,18 +265,24 @@ class RLSpec:
                num_minibatches=rl.num_minibatches, loss=LossConfig.from_config(config),
                logprob_chunk=chk.integer(config, "rl.logprob_chunk", 0, chk.MAX_TOKENS),
                remat=bool(rl.remat), fuse_pi_old=bool(rl.fuse_pi_old),
-               update_buckets=chk.integer(config, "rl.update_buckets", 1, 64),
-               drop_zero_adv_rows=bool(rl.drop_zero_adv_rows),
-               update_parts=chk.integer(config, "rl.update_parts", 1, 64),
-               update_micro_rows=_micro_rows(config))
+               **_update_shape(config))
+
+
+def _update_shape(config) -> dict[str, Any]:
+  """config.update_shape as RLSpec's (and the step's) update_* fields (rlx.update_plan)."""
+  if "update_shape" not in config:  # configs written before it existed: the defaults
+    return dict(update_buckets=4, update_parts=2, update_micro_rows=0)
+  return dict(update_buckets=chk.integer(config, "update_shape.width_buckets", 1, 64),
+              update_parts=chk.integer(config, "update_shape.length_parts", 1, 64),
+              update_micro_rows=_micro_rows(config))
 
 
 def _micro_rows(config) -> int:
-  """rl.update_micro_rows, or where it is 0 on the CPU backend the rows of
-  rl.cpu_micro_tokens padded tokens (max_prompt_len + max_new_tokens each; one minibatch)."""
-  micro = chk.integer(config, "rl.update_micro_rows", 0, chk.MAX_TOKENS)
-  tokens = chk.integer(config, "rl.cpu_micro_tokens", 0, chk.MAX_TOKENS) if (
-      "cpu_micro_tokens" in config.rl) else 0
+  """update_shape.micro_rows, or where it is 0 on the CPU backend the rows of
+  update_shape.cpu_micro_tokens padded tokens (max_prompt_len + max_new_tokens each; one
+  minibatch)."""
+  micro = chk.integer(config, "update_shape.micro_rows", 0, chk.MAX_TOKENS)
+  tokens = chk.integer(config, "update_shape.cpu_micro_tokens", 0, chk.MAX_TOKENS)
   if micro or not tokens or config.rl.num_minibatches != 1:
     return micro
   if jax.default_backend() != "cpu":

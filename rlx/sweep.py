@@ -101,6 +101,10 @@ def load_sweep(config: str) -> tuple[list[dict], Any]:
     for key in overrides:
       if key == "_name":
         continue
+      from rlx import configs  # pylint: disable=g-import-not-at-top
+      moved = configs.moved_key_error(key)
+      if moved:
+        raise SweepError(f"{path}: get_sweep({arg!r}) entry {i}: {moved}")
       if base is not None and not _has_key(base, key):
         raise SweepError(f"{path}: get_sweep({arg!r}) entry {i} overrides {key!r}, which is not "
                          f"a key of get_config({arg!r}).")

@@ -151,10 +151,11 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
       memory.check_fits(mem)
   rows = spec.rl.prompts_per_step * spec.rl.group_size + (
       spec.replay.num_samples if spec.replay is not None else 0)
-  rl_record = spec.record.get("rl", {})  # the config as given (`config` may be a RunSpec)
-  if 0 < spec.rl.update_micro_rows < rows and not rl_record.get("update_micro_rows", 0):
+  shape = spec.record.get("update_shape", {})  # the config as given (`config` may be a RunSpec)
+  if 0 < spec.rl.update_micro_rows < rows and not shape.get("micro_rows", 0):
     log(f"[rlx] update: micro-batches of <= {spec.rl.update_micro_rows} rows on CPU "
-        f"(config.rl.cpu_micro_tokens={rl_record.get('cpu_micro_tokens')}; 0 turns it off)")
+        f"(config.update_shape.cpu_micro_tokens={shape.get('cpu_micro_tokens')}; 0 turns it "
+        f"off)")
   cfg = step_config(spec, exp.tokenizer)
   o = spec.optim
   tx = train.make_optimizer(o.lr, spec.total_steps, warmup_steps=o.warmup_steps,

@@ -96,12 +96,12 @@ CASES = [
      r"config.rl.group_size=1: advantage 'grpo' normalises rewards within a group"),
     ("minibatches_do_not_divide", {"rl.num_minibatches": 5}, None, configs.ConfigError,
      r"training batch of 16 rows .* does not split into config.rl.num_minibatches=5"),
-    ("micro_rows_with_minibatches", {"rl.update_micro_rows": 4, "rl.num_minibatches": 2}, None,
+    ("micro_rows_with_minibatches", {"update_shape.micro_rows": 4, "rl.num_minibatches": 2}, None,
      configs.ConfigError,
-     r"config.rl.update_micro_rows=4 \(gradient accumulation .*\) needs "
+     r"config.update_shape.micro_rows=4 \(gradient accumulation .*\) needs "
      r"config.rl.num_minibatches=1, got 2"),
-    ("micro_rows_negative", {"rl.update_micro_rows": -1}, None, configs.ConfigError,
-     r"config.rl.update_micro_rows=-1; expected an integer in \[0, "),
+    ("micro_rows_negative", {"update_shape.micro_rows": -1}, None, configs.ConfigError,
+     r"config.update_shape.micro_rows=-1; expected an integer in \[0, "),
     ("unknown_sampler", {"sampler.impl": "vllm"}, None, configs.ConfigError,
      r"config.sampler.impl='vllm'; expected one of \('dense', 'paged'\)"),
     ("unknown_aggregation", {"rl.aggregation": "sum"}, None, configs.ConfigError,

@@ -4,6 +4,8 @@ one loader for config files, and no import cycle in rlx."""
 import ast
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +111,45 @@ def test_no_import_cycle_in_rlx():
   for m in sorted(graph):
     visit(m)
   assert graph["rlx.configs"] and "rlx.configs" not in graph["rlx.data.registry"]
+
+
+@pytest.mark.parametrize("old, new", [
+    ("rl.update_buckets", "update_shape.width_buckets"),
+    ("rl.update_parts", "update_shape.length_parts"),
+    ("rl.update_micro_rows", "update_shape.micro_rows"),
+    ("rl.cpu_micro_tokens", "update_shape.cpu_micro_tokens"),
+    ("rl.drop_zero_adv_rows", ""),
+])
+def test_a_moved_update_shape_key_is_refused_naming_the_new_one(old, new):
+  message = (rf"^config.{old} is now config.{new}; set that instead.$" if new else
+             rf"^config.{old} is no longer a key: rows without signal are left out .*; "
+             rf"remove it.$")
+  base = rlx.load_config("arith", "runlocal")
+  with pytest.raises(configs.ConfigError, match=message):  # an override (rlx.sweep, tests)
+    configs.with_overrides(base, {old: 2})
+  section, leaf = old.split(".")
+  base[section][leaf] = 2  # set in an experiment file: a ConfigDict takes a new key
+  with pytest.raises(configs.ConfigError, match=message):
+    configs.resolve(base)
+
+
+def test_a_moved_key_on_the_command_line_is_one_line(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "rlx.main", "--config=arith:runlocal",
+       f"--workdir={tmp_path / 'wd'}", "--config.rl.update_micro_rows=8"],
+      capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip().splitlines() == [
+      "rlx: error: config.rl.update_micro_rows is now config.update_shape.micro_rows; set that "
+      "instead."]
+  assert not os.path.exists(tmp_path / "wd")
+
+
+def test_a_moved_key_in_a_sweep_is_one_line(tmp_path):
+  from rlx import sweep  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "my_sweep.py"
+  path.write_text("from rlx.experiments.arith import get_config\n"
+                  "def get_sweep(arg):\n  return [{'rl.update_buckets': 2}]\n")
+  with pytest.raises(sweep.SweepError, match=r"entry 0: config.rl.update_buckets is now "
+                                             r"config.update_shape.width_buckets; set that"):
+    sweep.load_sweep(str(path))

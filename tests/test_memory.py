@@ -198,8 +198,9 @@ def _update_xla_and_plan(chunk: int = 0, micro: int = 0) -> tuple[int, int]:
   ma = fn.lower(state, ro).compile().memory_analysis()
   config = _config(**{"rl.prompts_per_step": 2, "rl.group_size": 4,
                       "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
-                      "rl.logprob_chunk": chunk, "rl.update_micro_rows": micro,
-                      "rl.cpu_micro_tokens": 0,  # micro=0: the whole batch, as compiled
+                      "rl.logprob_chunk": chunk, "update_shape.micro_rows": micro,
+                      # micro=0: the whole batch, as compiled
+                      "update_shape.cpu_micro_tokens": 0,
                       "memory.activation_margin": 1.0})
   planned = memory.plan(config, model, {"data": 1}, num_prompts=8).phase_bytes()["grad"]
   return ma.temp_size_in_bytes + ma.argument_size_in_bytes, planned
@@ -215,7 +216,7 @@ def test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows():
 
 
 def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follows():
-  """rl.update_micro_rows=2 on 8 rows: four micro-batches one after the other. XLA's memory
+  """update_shape.micro_rows=2 on 8 rows: four micro-batches one after the other. XLA's memory
   analysis shows one part's activations live at a time (the scan over parts), and the plan
   follows."""
   full_xla, full_plan = _update_xla_and_plan()
@@ -226,23 +227,25 @@ def test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follow
 
 
 def test_cpu_micro_tokens_sets_the_micro_rows_on_cpu_only_where_nothing_else_does():
-  """rl.cpu_micro_tokens: on the CPU backend (these tests) with update_micro_rows=0 and one
+  """update_shape.cpu_micro_tokens: on the CPU backend (these tests) with micro_rows=0 and one
   minibatch, micro-batches of tokens // (max_prompt_len + max_new_tokens) rows; an explicit
-  update_micro_rows wins; several minibatches or 0 tokens turn it off; the plan follows."""
+  micro_rows wins; several minibatches or 0 tokens turn it off; the plan follows."""
   assert jax.default_backend() == "cpu"
   base = {"sampler.max_prompt_len": 16, "sampler.max_new_tokens": 48, "rl.prompts_per_step": 8,
-          "rl.group_size": 8, "rl.cpu_micro_tokens": 1024}
+          "rl.group_size": 8, "update_shape.cpu_micro_tokens": 1024}
   micro = lambda **o: configs.resolve(_config(**{**base, **o})).rl.update_micro_rows
   assert micro() == 1024 // 64
-  assert micro(**{"rl.cpu_micro_tokens": 100}) == 1  # fewer tokens than one row: one row
-  assert micro(**{"rl.update_micro_rows": 4}) == 4
-  assert micro(**{"rl.cpu_micro_tokens": 0}) == 0
+  # fewer tokens than one row: one row
+  assert micro(**{"update_shape.cpu_micro_tokens": 100}) == 1
+  assert micro(**{"update_shape.micro_rows": 4}) == 4
+  assert micro(**{"update_shape.cpu_micro_tokens": 0}) == 0
   assert micro(**{"rl.num_minibatches": 2}) == 0
   model = _model(_config(**base))
   grad = lambda **o: memory.plan(_config(**{**base, **o}), model, {"data": 1}).phase_bytes()[
       "grad"]
-  assert grad() == grad(**{"rl.cpu_micro_tokens": 0, "rl.update_micro_rows": 16})
-  assert grad() < grad(**{"rl.cpu_micro_tokens": 0})
+  assert grad() == grad(**{"update_shape.cpu_micro_tokens": 0,
+                           "update_shape.micro_rows": 16})
+  assert grad() < grad(**{"update_shape.cpu_micro_tokens": 0})
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -352,7 +355,7 @@ def test_a_lora_update_with_kl_compiles_to_what_the_plan_says():
                       "sampler.max_new_tokens": t, "sampler.max_prompt_len": p,
                       "rl.logprob_chunk": 128, "memory.activation_margin": 1.0,
                       "lora.rank": 8, "lora.alpha": 16.0, "lora.base_dtype": "bfloat16",
-                      "rl.cpu_micro_tokens": 0})  # the whole batch, as compiled below
+                      "update_shape.cpu_micro_tokens": 0})  # the whole batch, as compiled below
   lc = configs.resolve(config).lora
   graphdef, abstract = transformer.abstract_params(model)
   tx = train.make_optimizer(1e-3, 10)

@@ -217,7 +217,7 @@ def test_length_sorted_micro_batches_equal_the_padded_update(case):
 
 @pytest.mark.parametrize("case", ["one_minibatch", "kl_seq_sum_norm", "replay"])
 def test_gradient_accumulation_at_equal_widths_equals_the_whole_batch(case):
-  """rl.update_micro_rows: micro-batches of <= 4 rows, one after the other, also where every
+  """update_shape.micro_rows: micro-batches of <= 4 rows, one after the other, also where every
   row needs the full width (update_parts alone would keep one micro-batch): same step."""
   g, params, ro = _rollouts(seed=5)
   lengths = np.full(B, T - 1, np.int32)  # every row as long: equal widths
