@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rlx import trainer
+from rlx import update as update_lib
 from rlx.checkpoint import read_arrays
 from rlx.metrics import read_jsonl
 from test_main import ARITH, REPO, runlocal_config
@@ -88,13 +89,13 @@ def test_nonfinite_updates_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
   # makes every gradient non-finite while the loss stays finite: each update is skipped
   # (params unchanged) and after guard.max_consecutive_skips steps the run stops with a
   # clear error.
-  real = trainer.train.policy_loss
+  real = update_lib.policy_loss
 
   def nan_gradient_loss(logp, *args, **kwargs):
     loss, metrics = real(logp, *args, **kwargs)
     trap = jnp.where(logp > 1e30, jnp.sqrt(-1.0 - jnp.abs(logp)), 0.0)  # log-probs are <= 0
     return loss + trap.sum(), metrics
-  monkeypatch.setattr(trainer.train, "policy_loss", nan_gradient_loss)
+  monkeypatch.setattr(update_lib, "policy_loss", nan_gradient_loss)  # the update's loss
   with pytest.raises(trainer.NumericError, match=r"3 consecutive steps \(up to step 3\) had a "
                      r"non-finite loss or gradient"):
     trainer.run(runlocal_config(**{"mesh.data": 1}), str(tmp_path),
