@@ -1,8 +1,103 @@
-"""Test-wide setup: 8 fake CPU devices, so multi-device code paths run on any machine.
+"""Test-wide setup: 8 fake CPU devices, so multi-device code paths run on any machine; and the
+`slow` marker, applied here from one list (SLOW) so that no test file needs editing for it.
 
 Must run before the first backend use; pytest imports conftest.py before collecting tests.
+
+Two tiers: `python -m pytest -q -n 2 -m "not slow" tests` is the inner loop (a few minutes on
+2 cores); CI (.ci/run, the README's test command) runs everything, `slow` included.
 """
 
+import os
+
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# The rule: a test is slow when it trains through rlx.main or trainer.run (in this process or
+# a subprocess), starts another Python process (a CLI, a sweep, a notebook, a pytest), or
+# takes over ~10 s on a quiet 2-core machine for another reason (measured with --durations).
+# Each area keeps fast tests in the tier: the numerics of every module run on their own, and
+# the training loop's pieces (rollout, update, checkpoint, metrics) are unit-tested there.
+# An entry is a test file (every test in it) or a file::function (every parametrization);
+# tests/test_slow_list.py fails when an entry no longer names a file or function.
+SLOW = (
+    # Whole files: every test trains a run or drives a CLI in a subprocess.
+    "tests/kernels/test_import_name.py",
+    "tests/test_bad_inputs.py",
+    "tests/test_cli.py",
+    "tests/test_hf_rl.py",
+    "tests/test_main.py",
+    "tests/test_resilience.py",
+    # Single tests that train a run, start a process or load a model through a subprocess.
+    "tests/model/test_hf.py::test_load_onto_mesh",
+    "tests/model/test_hf.py::test_load_memory_small",
+    "tests/test_bench_peers.py::test_rlx_worker_takes_turns",
+    "tests/test_bench_peers.py::test_dead_worker_is_one_clear_error",
+    "tests/test_bench_peers.py::test_tunix_worker_takes_turns",
+    "tests/test_export.py::test_export_loads_in_transformers_with_rlx_logits",
+    "tests/test_export.py::test_step_and_force",
+    "tests/test_export.py::test_hf_base_model_tokenizer_files",
+    "tests/test_export.py::test_cli",
+    "tests/test_export.py::test_cli_errors_in_process",
+    "tests/test_export.py::test_user_path_sentencepiece",
+    "tests/test_export.py::test_user_path_sentencepiece_lora",
+    "tests/test_export.py::test_latest_step_without_state_is_refused",
+    "tests/test_export.py::test_full_disk_leaves_out_dir_as_it_was",
+    "tests/test_export.py::test_force_replaces_the_exports_files_only",
+    "tests/test_lora.py::test_a_lora_workdir_refuses_a_full_parameter_config",
+    # Compile whole updates / evaluations to read XLA's buffer sizes: 30-65 s each with
+    # --durations on the loaded machine (the plan's other tests stay in the fast tier).
+    "tests/test_memory.py::test_gradient_accumulation_cuts_the_compiled_update_peak_and_the_plan_follows",
+    "tests/test_memory.py::test_chunked_logprobs_cut_the_compiled_update_peak_and_the_plan_follows",
+    "tests/test_memory.py::test_a_lora_update_with_kl_compiles_to_what_the_plan_says",
+    "tests/test_memory.py::test_a_paged_evaluation_compiles_to_what_the_plan_says",
+    "tests/test_notebooks.py::test_notebook_runs_and_plots",
+    "tests/test_notebooks.py::test_ablations_plots_a_benchmark_results_file",
+    "tests/test_pipeline.py::test_trainer_overlap_crash_then_resume_equals_uninterrupted",
+    "tests/test_progress.py::test_warm_start_writes_plain_lines_when_not_a_terminal",
+    "tests/test_progress.py::test_run_writes_plain_lines_when_not_a_terminal",
+    "tests/test_reasoning.py::test_runlocal_trains_and_reports_lengths",
+    "tests/test_report.py::test_cli_prints_summary_and_fails_clearly_without_metrics",
+    "tests/test_run_safety.py::test_keep_checkpoints_zero_keeps_every_checkpoint",
+    "tests/test_run_safety.py::test_negative_keep_checkpoints_is_refused",
+    "tests/test_run_safety.py::test_a_held_workdir_is_refused_naming_the_holder",
+    "tests/test_run_safety.py::test_two_processes_cannot_both_run",
+    "tests/test_run_safety.py::test_a_linked_lock_file_is_refused_and_its_target_untouched",
+    "tests/test_run_safety.py::test_a_symlinked_lock_file_is_one_line_from_the_cli",
+    "tests/test_run_safety.py::test_an_unwritable_checkpoint_directory_fails_before_training",
+    "tests/test_run_safety.py::test_a_failed_save_stops_with_one_line_and_keeps_the_previous_checkpoint",
+    "tests/test_run_safety.py::test_a_reward_holding_the_gil_times_out_with_one_line",
+    "tests/test_run_safety.py::test_a_reward_calling_sys_exit_is_an_error_not_a_clean_exit",
+    "tests/test_run_safety.py::test_sigterm_during_a_hung_reward_checkpoints_and_exits_75",
+    "tests/test_run_safety.py::test_sigterm_during_a_reward_after_a_saved_step_exits_75",
+    "tests/test_run_safety.py::test_a_reward_calling_os_exit_is_one_error_line_not_a_clean_exit",
+    "tests/test_run_safety.py::test_sigterm_before_the_rl_loop_exits_75",
+    "tests/test_suite_timeout.py::test_a_hang_fails_one_test_and_the_others_run_under_xdist",
+    "tests/test_sweep.py::test_print_only_prints_one_command_per_run",
+    "tests/test_sweep.py::test_a_shipped_experiment_is_found_by_name_from_any_directory",
+    "tests/test_sweep.py::test_one_rule_finds_configs_for_main_sweep_and_load_config",
+    "tests/test_sweep.py::test_a_failing_run_is_reported_not_fatal",
+    "tests/test_sweep.py::test_runlocal_sweep_runs_and_gathers",
+    "tests/test_task_registry.py::test_a_registered_task_runs_end_to_end",
+    "tests/test_train.py::test_multi_device_matches_one_device_and_compiles_once",
+    "tests/test_train.py::test_split_halves_equal_fused_step",
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def is_slow(nodeid: str) -> bool:
+  """Whether the test `nodeid` (relative to the repository root) is on the SLOW list."""
+  path, _, name = nodeid.partition("::")
+  return path in SLOW or f"{path}::{name.split('[')[0]}" in SLOW
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    nodeid = os.path.relpath(str(item.path), REPO).replace(os.sep, "/")
+    if "::" in item.nodeid:
+      nodeid += "::" + item.nodeid.split("::", 1)[1]
+    if is_slow(nodeid):
+      item.add_marker(pytest.mark.slow)
