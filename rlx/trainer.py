@@ -13,8 +13,6 @@ import dataclasses
 import math
 import os
 import signal
-import threading
-import time
 from typing import Any, Callable
 
 import jax
@@ -22,11 +20,14 @@ import ml_collections as mlc
 import numpy as np
 
 from rlx import checkpoint as ckpt_lib
-from rlx import configs, distributed, evaluate, experiment, memory, metrics as metrics_lib
-from rlx import pipeline, reward_worker, tensorboard, train
+from rlx import configs, evaluate, experiment, memory, metrics as metrics_lib
+from rlx import pipeline, resume, reward_worker, step_modes, tensorboard, train
 from rlx import sharding as shd
 from rlx.data import registry
 from rlx.model import lora as lora_lib
+# The benchmarks score rollouts with the trainer's reward helpers under these names.
+from rlx.step_modes import host_rewards as _host_rewards  # noqa: F401
+from rlx.step_modes import reward_args as _reward_args  # noqa: F401
 from rlx.workdir import WorkdirLock
 
 
@@ -234,210 +235,6 @@ class NumericError(RuntimeError):
 RewardError = reward_worker.RewardError  # a host reward hung, exited or killed its process
 
 
-def _fault(point: str, step: int) -> None:
-  """Test hook: RLX_FAULT="kill_after_rollout:5,kill_in_save:4" SIGKILLs this process there."""
-  for item in filter(None, os.environ.get("RLX_FAULT", "").split(",")):
-    name, _, at = item.partition(":")
-    if name == point and int(at) == step:
-      os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _Stop(BaseException):
-  """SIGTERM / SIGINT outside the RL loop's step boundary (raised from the handler)."""
-
-  def __init__(self, signum: int):
-    super().__init__(signum)
-    self.signum = signum
-
-
-class _SignalFlag:
-  """SIGTERM / SIGINT handling for a whole run: the handler only remembers the signal.
-
-  Inside the RL loop the loop checkpoints and stops at the next step boundary. Before it
-  (set-up, warm start, base evaluation) `check()` is polled at safe points (each warm-start
-  step, each evaluation batch) and raises `_Stop`, since there is no step to finish. Raising
-  from the handler itself is not safe: it can land in a garbage-collector callback, where
-  Python prints and drops it.
-  """
-
-  def __init__(self):
-    self.signum = None
-    self.deferred = False
-    self._old = {}
-
-  def check(self) -> None:
-    if self.signum is not None and not self.deferred:
-      raise _Stop(self.signum)
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.signum is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C: stop now
-    self.signum = signum
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-
-
-class _Saver:
-  """Checkpoint saves that fail with one line naming the path and the OS error."""
-
-  def __init__(self, ckpt: ckpt_lib.Checkpointer):
-    self.ckpt = ckpt
-
-  def _fail(self, step: int, e: BaseException):
-    err = e
-    while err is not None and not isinstance(err, OSError):
-      err = err.__cause__ or err.__context__
-    why = (f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
-           if isinstance(err, OSError) else f"{type(e).__name__}: {' '.join(str(e).split())}")
-    latest = self.ckpt.latest_step()
-    keep = (f"the checkpoint of step {latest} is kept" if latest is not None
-            else "no earlier checkpoint exists")
-    return ckpt_lib.CheckpointError(
-        f"could not save the checkpoint of step {step} to {self.ckpt.directory} "
-        f"({why[:300]}); {keep}. Free space or fix permissions, then rerun to resume.")
-
-  def ensure(self, step: int, state, meta) -> bool:
-    """Step `step` on disk: waits for a save in flight, saves it unless a checkpoint of it
-    exists (the step a run resumed from, or one just saved with checkpoint_every=1); returns
-    whether it existed."""
-    try:
-      self.ckpt.wait()
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._fail(step, e) from None
-    if self.ckpt.latest_step() == step:
-      return True
-    self.save(step, state, meta, force=True, wait=True)
-    return False
-
-  def save(self, step: int, state, meta, *, force: bool = False, wait: bool = False) -> None:
-    try:
-      self.ckpt.save(step, state, meta, force=force)
-      if wait:
-        self.ckpt.wait()
-    except Exception as e:  # pylint: disable=broad-except  (orbax wraps OS errors variously)
-      raise self._fail(step, e) from None
-    if wait and self.ckpt.latest_step() != step:
-      raise self._fail(step, RuntimeError("the checkpoint is not on disk after the save"))
-
-  def close(self) -> None:
-    try:
-      self.ckpt.close()
-    except Exception as e:  # pylint: disable=broad-except
-      raise self._fail(self.ckpt.latest_step() or 0, e) from None
-
-
-def _config_diff(saved: dict | None, ours: dict, prefix: str = "") -> list[str]:
-  """'key: checkpoint X, now Y' for every config value that differs (dotted keys)."""
-  if saved is None:
-    return []
-  out = []
-  for k in sorted(set(saved) | set(ours)):
-    a, b = saved.get(k, "<absent>"), ours.get(k, "<absent>")
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += _config_diff(a, b, f"{prefix}{k}.")
-    elif a != b:
-      out.append(f"{prefix}{k}: checkpoint {a!r}, now {b!r}")
-  return out
-
-
-# Settings that change the saved state's tree or shapes (optimizer chain, replay ring, selector,
-# reference params, prompt pool): a checkpoint made with other values cannot be restored.
-_LAYOUT_KEYS = ("optim.", "replay.", "selection.", "rl.kl_coef", "task.", "sampler.max_",
-                "model.", "tokenizer.", "lora.")
-
-
-def _lora_rank(record: dict | None) -> int:
-  return int(((record or {}).get("lora") or {}).get("rank", 0) or 0)
-
-
-def _restore(ckpt: ckpt_lib.Checkpointer, step: int, abstract, shardings, model_cfg,
-             record: dict, log) -> Any:
-  """Restores `step`; a failure names the config settings that differ from the checkpoint's
-  (a changed optimizer or replay setting changes the saved state's layout) instead of
-  calling a healthy checkpoint corrupt."""
-  import json  # pylint: disable=g-import-not-at-top
-  saved = ckpt.read_meta(step).get("config")
-  ours = json.loads(json.dumps(record, default=str))
-  _check_tokenizer_kept(ckpt, step, saved, ours)
-  theirs_lora, ours_lora = _lora_rank(saved), _lora_rank(ours)
-  if (theirs_lora > 0) != (ours_lora > 0):
-    what = lambda r: f"LoRA adapters (lora.rank={r})" if r else "all parameters (lora.rank=0)"
-    raise ckpt_lib.CheckpointError(
-        f"the checkpoint at {ckpt.directory}/{step} trains {what(theirs_lora)} and this config "
-        f"trains {what(ours_lora)}: a run cannot switch between LoRA and full-parameter "
-        f"training. Rerun with --config.lora.rank={theirs_lora} to resume, or pass a new "
-        f"--workdir to start a new run.")
-  if theirs_lora and ours_lora:
-    keys = ("rank", "alpha", "targets", "base_dtype")
-    changed = [f"lora.{k}: checkpoint {saved['lora'].get(k)!r}, now {ours['lora'].get(k)!r}"
-               for k in keys if saved["lora"].get(k) != ours["lora"].get(k)]
-    if changed:  # a changed alpha or base dtype would restore, and silently change the policy
-      raise ckpt_lib.CheckpointError(
-          f"the checkpoint at {ckpt.directory}/{step} was made with other LoRA settings "
-          f"({'; '.join(changed)}): its adapters only mean the same policy with those. Rerun "
-          f"with the checkpoint's settings to resume, or pass a new --workdir.")
-  pipe = lambda r: (((r or {}).get("pipeline") or {}).get("mode", "sync"),
-                    ((r or {}).get("pipeline") or {}).get("max_staleness", 1))
-  (theirs_mode, theirs_k), (ours_mode, ours_k) = pipe(saved), pipe(ours)
-  if theirs_mode != ours_mode or (ours_mode == "overlap" and theirs_k != ours_k):
-    held = (f"pipeline.mode={theirs_mode!r}" + (f", pipeline.max_staleness={theirs_k}"
-                                                  if theirs_mode == "overlap" else ""))
-    raise ckpt_lib.CheckpointError(
-        f"the checkpoint at {ckpt.directory}/{step} was written with {held} (an overlap "
-        f"checkpoint holds the batches in flight, one per step of staleness) and this config "
-        f"has pipeline.mode={ours_mode!r}"
-        f"{f', max_staleness={ours_k}' if ours_mode == 'overlap' else ''}. Rerun with the "
-        f"checkpoint's pipeline settings to resume, or pass a new --workdir.")
-  diff = _config_diff(saved, ours)
-  try:
-    state, _ = ckpt.restore(step, abstract, shardings, model_cfg)
-  except ckpt_lib.CheckpointError as e:
-    layout = [d for d in diff if d.startswith(_LAYOUT_KEYS)]
-    if not layout or "different model" in str(e):
-      raise
-    shown = "; ".join(layout[:6]) + (f"; and {len(layout) - 6} more" if len(layout) > 6 else "")
-    raise ckpt_lib.CheckpointError(
-        f"the checkpoint at {ckpt.directory}/{step} was made with other settings ({shown}), "
-        f"and its saved state does not fit this config. Rerun with the checkpoint's settings "
-        f"(its config is in the workdir's config.json) to resume, or pass a new --workdir to "
-        f"start a new run.") from None
-  held = int(jax.device_get(getattr(state, "learner", state).step))
-  if held != step:  # a renamed directory: resuming it would count steps from its name
-    raise ckpt_lib.CheckpointError(
-        f"the checkpoint directory {ckpt.directory}/{step} holds the state after step {held}; "
-        f"expected a directory named after the step it holds, as rlx writes them (was it "
-        f"renamed?). Rename it back to {held}, or move it away to resume from the one before.")
-  if diff:
-    log(f"[rlx] resuming with settings changed since the checkpoint: {'; '.join(diff[:6])}"
-        + (f"; and {len(diff) - 6} more" if len(diff) > 6 else ""))
-  return state
-
-
-def _check_tokenizer_kept(ckpt: ckpt_lib.Checkpointer, step: int, saved: dict | None,
-                          ours: dict) -> None:
-  """A resume reuses the tokenizer the run trained (WORKDIR/tokenizer.model): a changed
-  tokenizer.vocab_size would change nothing but the run's record (config.json)."""
-  get = lambda r, section, key: ((r or {}).get(section) or {}).get(key)
-  theirs, now = get(saved, "tokenizer", "vocab_size"), get(ours, "tokenizer", "vocab_size")
-  if (saved is None or theirs == now or get(ours, "tokenizer", "path")
-      or get(ours, "model", "path")):
-    return
-  raise ckpt_lib.CheckpointError(
-      f"config.tokenizer.vocab_size={now}, but the checkpoint at {ckpt.directory}/{step} was "
-      f"made with {theirs}, and a resume keeps the tokenizer the run trained (its model's "
-      f"vocabulary). Rerun with --config.tokenizer.vocab_size={theirs} to resume, or pass a "
-      f"new --workdir to start a new run.")
-
-
 def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
         log: Callable[[str], None] = print, show_progress: bool = True,
         devices=None) -> dict[str, Any]:
@@ -453,176 +250,16 @@ def run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
   spec, _ = resolve(config, devices)  # before touching the workdir: a bad config changes nothing
   _check_writable(workdir, "--workdir")
   lock = WorkdirLock(workdir) if main_process else contextlib.nullcontext()
-  with lock, _SignalFlag() as stop:
+  with lock, resume.SignalFlag() as stop:
     _check_writable(os.path.join(workdir, "checkpoints"), "the checkpoint directory")
     try:
       return _run(spec, workdir, log=log, show_progress=show_progress, devices=devices,
                   stop=stop, main_process=main_process)
-    except _Stop as e:
+    except resume.Stop as e:
       raise Preempted(
           f"stopped by {signal.Signals(e.signum).name} before the first RL step of this "
           f"process: there was no new step to checkpoint (the data, tokenizer and warm-start "
           f"caches already written are kept). Rerun the same command to resume.") from None
-
-
-# ------------------------------------------------------------------------------ step modes
-#
-# Each way of running one RL step sits behind the same small interface, so the host loop
-# below never asks which one it runs:
-#
-#   restore(ckpt, step, abstract, record, log) -> state   the checkpoint's state (its layout)
-#   start(state, start) -> state      ready to train from step `start` (overlap: fill the pipe)
-#   step(state, step) -> (state, m)   one step; m: host floats with time/generate_s,
-#                                     time/update_s and time/step_s
-#   eval_params(state)                the params that evaluation decodes with
-#   to_save(state)                    what a checkpoint holds
-#   close()                           ends what the mode started (the host reward's worker)
-#   eval_mesh, eval_reward            where evaluation decodes, its host reward (or None)
-
-
-class _SyncStep:
-  """Sync mode with the task's jnp verifier: the rollout half, then the update half (timed
-  apart; the host waits between them only for the update's static shape)."""
-
-  eval_reward = None
-
-  def __init__(self, setup: Setup):
-    self.setup, self.fns = setup, setup.fns
-    self.eval_mesh = setup.mesh
-    self.pool = None
-
-  def restore(self, ckpt, step, abstract, record, log):
-    return _restore(ckpt, step, abstract, self.fns.state_sharding, self.setup.exp.model_cfg,
-                    record, log)
-
-  def start(self, state, start):
-    del start
-    self.pool = shd.put(self.setup.exp.train_pool, self.fns.pool_sharding)
-    return state
-
-  def _update_shape(self, batch, **kw) -> dict:
-    return train.update_shape(batch, self.setup.step_cfg, shd.batch_size_of(self.setup.mesh),
-                              **kw)
-
-  def step(self, state, step):
-    t0 = time.perf_counter()
-    state, batch = self.fns.rollout(state, self.pool)
-    shape = self._update_shape(batch)  # waits for the rollout
-    _fault("kill_after_rollout", step + 1)
-    t1 = time.perf_counter()
-    state, m = self.fns.update(state, batch, **shape)
-    return state, _timed(jax.device_get(m), t1 - t0, time.perf_counter() - t1)
-
-  def eval_params(self, state):
-    return train.policy_params(state, self.setup.step_cfg)
-
-  def to_save(self, state):
-    return state
-
-  def close(self):
-    pass
-
-
-class _FusedStep(_SyncStep):
-  """config.fused_step: rollout and update as one jitted program (no time split)."""
-
-  def step(self, state, step):
-    t0 = time.perf_counter()
-    state, m = self.fns.train_step(state, self.pool)
-    m = jax.device_get(m)
-    return state, _timed(m, time.perf_counter() - t0, 0.0)
-
-
-class _HostRewardStep(_SyncStep):
-  """Sync mode with a Python reward (config.task.reward): generate on the devices, decode and
-  score on the host in a worker process (forked on first use) that a timeout or a signal can
-  always end, even while the reward holds the GIL in C code, then score + update."""
-
-  def __init__(self, setup: Setup, host_reward, stop: _SignalFlag,
-               preempt: Callable[[int, Any], None]):
-    super().__init__(setup)
-    self.stop, self.preempt = stop, preempt
-    self.timeout_s = setup.spec.task.reward_timeout_s
-    self.worker = reward_worker.RewardWorker(host_reward, name=repr(setup.spec.task.reward))
-
-  def eval_reward(self, *args, **kwargs):  # a signal while it runs abandons the evaluation
-    values = self.worker.call(args, kwargs, timeout_s=self.timeout_s, stop=self.stop)
-    if values is None:
-      raise _Stop(self.stop.signum)
-    return values
-
-  def step(self, state, step):
-    t0 = time.perf_counter()
-    rng_host = np.asarray(jax.device_get(state.rng))  # `generate` changes only the RNG
-    state, batch, _ = self.fns.generate(state, self.pool)
-    args, kwargs = _reward_args(batch.batch, self.setup.exp)
-    values = self.worker.call(args, kwargs, timeout_s=self.timeout_s, stop=self.stop)
-    if values is None:  # SIGTERM while the reward ran: undo the step, save the last finished
-      state = state.replace(rng=shd.put(rng_host, self.fns.state_sharding.rng))
-      self.preempt(step, state)
-    rewards = shd.put(np.asarray(values, np.float32), shd.batch_sharding(self.setup.mesh, 1))
-    _fault("kill_after_rollout", step + 1)
-    t1 = time.perf_counter()
-    state, m = self.fns.score_update(state, batch, rewards,
-                                     **self._update_shape(batch, scored=False))
-    return state, _timed(jax.device_get(m), t1 - t0, time.perf_counter() - t1)
-
-  def close(self):
-    self.worker.close()
-
-
-class _OverlapStep:
-  """config.pipeline.mode='overlap': `pipeline.Overlap` runs the steps (generation on its own
-  sub-mesh, k steps ahead); evaluation decodes there with the generator's copy of the policy,
-  and a checkpoint holds the batches in flight."""
-
-  eval_reward = None
-
-  def __init__(self, setup: Setup, abstract):
-    self.overlap = pipeline.Overlap(
-        setup.exp.graphdef, setup.step_cfg, setup.fns, gen_mesh=setup.gen_mesh,
-        learn_mesh=setup.mesh, pool=setup.exp.train_pool, abstract_state=abstract,
-        max_staleness=setup.spec.pipeline.max_staleness, total_steps=setup.spec.total_steps)
-    self.model_cfg = setup.exp.model_cfg
-    self.eval_mesh = setup.gen_mesh
-    self.restored = None
-
-  def restore(self, ckpt, step, abstract, record, log):
-    self.restored = _restore(ckpt, step, *self.overlap.abstract_checkpoint(abstract, int(step)),
-                             self.model_cfg, record, log)
-    return self.restored.learner
-
-  def start(self, state, start):
-    return self.overlap.start(state, start, self.restored)
-
-  def step(self, state, step):
-    return self.overlap.step(state, step,
-                             after_rollout=lambda: _fault("kill_after_rollout", step + 1))
-
-  def eval_params(self, state):
-    del state
-    return self.overlap.gen_params
-
-  def to_save(self, state):
-    return self.overlap.checkpoint(state)
-
-  def close(self):
-    pass
-
-
-def _timed(m: dict, t_gen: float, t_upd: float) -> dict[str, float]:
-  """A sync step's metrics as host floats with its timings (overlap times its own)."""
-  m = {k: float(v) for k, v in m.items()}
-  m.update({"time/generate_s": t_gen, "time/update_s": t_upd, "time/step_s": t_gen + t_upd})
-  return m
-
-
-def _step_mode(setup: Setup, host_reward, stop: _SignalFlag, preempt, abstract):
-  if host_reward is not None:
-    return _HostRewardStep(setup, host_reward, stop, preempt)
-  if setup.spec.pipeline.mode == "overlap":
-    return _OverlapStep(setup, abstract)
-  return _FusedStep(setup) if setup.spec.fused_step else _SyncStep(setup)
 
 
 def _checked_host_reward(spec: configs.RunSpec):
@@ -645,7 +282,7 @@ def _checked_host_reward(spec: configs.RunSpec):
 
 
 def _run(spec: configs.RunSpec, workdir: str, *, log, show_progress: bool, devices,
-         stop: _SignalFlag, main_process: bool) -> dict[str, Any]:
+         stop: resume.SignalFlag, main_process: bool) -> dict[str, Any]:
   host_reward = _checked_host_reward(spec)  # an unknown reward fails before any work
   setup = build(spec, workdir, log=log, devices=devices, show_progress=show_progress,
                 check_stop=stop.check)
@@ -679,16 +316,16 @@ class _Loop:
   phase of `_run`."""
 
   def __init__(self, setup: Setup, workdir: str, host_reward, *, log, show_progress: bool,
-               stop: _SignalFlag, main_process: bool):
+               stop: resume.SignalFlag, main_process: bool):
     spec, exp = setup.spec, setup.exp
     self.spec, self.setup, self.workdir, self.log = spec, setup, workdir, log
     self.show_progress, self.stop, self.main_process = show_progress, stop, main_process
     self.band = spec.task.band
     abstract = jax.eval_shape(lambda: setup.state)
     self.ckpt = ckpt_lib.Checkpointer(workdir, keep=spec.checkpoint.keep)
-    self.saver = _Saver(self.ckpt)
+    self.saver = resume.Saver(self.ckpt)
     self.meta = {"model": exp.model_cfg.to_dict(), "config": spec.record}
-    self.mode = _step_mode(setup, host_reward, stop, self.preempt, abstract)
+    self.mode = step_modes.make(setup, host_reward, stop, self.preempt, abstract)
     self.state, self.start, self.resumed = self._restore(abstract)
     # Overlap: the first batches go to the generator before anything else.
     self.state = self.mode.start(self.state, self.start)
@@ -758,7 +395,7 @@ class _Loop:
       ckpt_lib.save_json(os.path.join(self.workdir, "config.json"), self.spec.record)
 
   def begin_steps(self) -> None:
-    """The progress bar; then a signal no longer stops at once (`_SignalFlag.deferred`)."""
+    """The progress bar; then a signal no longer stops at once (`resume.SignalFlag.deferred`)."""
     self.bar = metrics_lib.progress(self.spec.total_steps, initial=self.start,
                                     disable=not self.show_progress)
     self.stop.check()
@@ -795,7 +432,7 @@ class _Loop:
       try:
         self.last_eval = self._evaluate()
         m.update(self.last_eval)
-      except _Stop:  # a signal while the host reward scored it: save the step without it
+      except resume.Stop:  # a signal while the host reward scored it: save the step without it
         pass
 
   def log_step(self, m: dict[str, float]) -> None:
@@ -827,7 +464,7 @@ class _Loop:
       self.preempt(self.done, self.mode.to_save(self.state))
     if self.done % self.spec.checkpoint.every == 0 or self.done == self.spec.total_steps:
       self.saver.save(self.done, self.mode.to_save(self.state), self.meta)
-      _fault("kill_in_save", self.done)
+      resume.fault("kill_in_save", self.done)
 
   # ---------------------------------------------------------------- the end
 
@@ -873,7 +510,7 @@ class _Loop:
             "state": self.state}
 
 
-def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):
+def _preempt(saver: resume.Saver, done: int, state, meta, stop: resume.SignalFlag):
   """Saves step `done` unless it is already saved (waiting until it is complete on disk),
   then raises Preempted."""
   existed = saver.ensure(done, state, meta)
@@ -882,27 +519,6 @@ def _preempt(saver: _Saver, done: int, state, meta, stop: _SignalFlag):
       f"saved to {saver.ckpt.directory}/{done}"
       f"{' (already saved before the signal)' if existed else ''}. Rerun the same command "
       f"to resume.")
-
-
-def _reward_args(batch, exp: experiment.Experiment) -> tuple[tuple, dict]:
-  """The Python reward's arguments for a rollout batch: (prompts, completions decoded on the
-  host), {answer, difficulty}."""
-  tokens = distributed.to_host(batch.completions)
-  lengths = distributed.to_host(batch.lengths)
-  ids = distributed.to_host(batch.prompt_ids)
-  texts = [exp.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
-  h = exp.train_host
-  return (([h.prompts[i] for i in ids], texts),
-          {"answer": [h.answers[i] for i in ids],
-           "difficulty": [int(h.difficulty[i]) for i in ids]})
-
-
-def _host_rewards(batch, exp: experiment.Experiment, host_reward, mesh):
-  """Decodes the rollouts on the host and scores them with the Python reward in this process
-  (the benchmarks' path; the trainer calls it through its RewardWorker)."""
-  args, kwargs = _reward_args(batch, exp)
-  return shd.put(np.asarray(host_reward(*args, **kwargs), np.float32),
-                 shd.batch_sharding(mesh, 1))
 
 
 def _check_rewards(m: dict[str, float], exp: experiment.Experiment,

@@ -230,7 +230,7 @@ def test_trainer_overlap_crash_then_resume_equals_uninterrupted(tmp_path, monkey
   """The trainer's overlap loop: a run that dies between a batch's rollout and its update
   (step 3, two batches in flight) resumes from the step-2 checkpoint to the uninterrupted
   run's final parameters and metrics, bitwise."""
-  from rlx import report, trainer  # pylint: disable=g-import-not-at-top
+  from rlx import report, resume, trainer  # pylint: disable=g-import-not-at-top
   from rlx.checkpoint import read_arrays  # pylint: disable=g-import-not-at-top
   from rlx.metrics import read_jsonl  # pylint: disable=g-import-not-at-top
   from test_main import runlocal_config  # pylint: disable=g-import-not-at-top
@@ -245,7 +245,7 @@ def test_trainer_overlap_crash_then_resume_equals_uninterrupted(tmp_path, monkey
   def fault(point, step):
     if point == "kill_after_rollout" and step == 3:
       raise _Crash()
-  monkeypatch.setattr(trainer, "_fault", fault)
+  monkeypatch.setattr(resume, "fault", fault)
   with pytest.raises(_Crash):
     trainer.run(runlocal_config(**over), str(run), log=lambda s: None, show_progress=False,
                 devices=devices)
