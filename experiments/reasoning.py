@@ -1,4 +1,4 @@
-r"""GRPO on worked column addition: long, variable-length completions, shortened by RL.
+r"""GRPO on worked column addition: long, variable-length completions, a length reward.
 
 The task (rlx.data.column_add): "4821+3907=" is answered with a worked solution, one line per
 column, then the final answer after "=>", which is all the reward reads:
