@@ -319,6 +319,10 @@ def defaults() -> mlc.ConfigDict:
   # Where it enters: "advantage" adds it after GRPO's std normalisation (its push bounded by
   # the weight; rlx.rl.length says why), "reward" to the task reward as Kimi k1.5 writes it.
   c.length.length_mode = "advantage"
+  # How a group's lengths are compared: "range" (Kimi k1.5: always +-0.5 over the group's
+  # shortest..longest), "relative" (the difference from the group's midrange relative to it,
+  # so the push fades as lengths converge; rlx.rl.length).
+  c.length.length_scale = "range"
 
   c.sampler = mlc.ConfigDict()
   c.sampler.impl = "paged"  # paged (default) | dense (the reference oracle)

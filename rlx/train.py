@@ -295,7 +295,7 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   length_adv = None
   if cfg.length.length_reward > 0:
     term = cfg.length.length_reward * length_lib.group_length_reward(
-        batch.lengths, correct, g, valid)
+        batch.lengths, correct, g, valid, cfg.length.length_scale)
     if cfg.length.length_mode == "reward":
       rewards = rewards + term
     else:  # after normalisation: a push bounded by the weight (rlx.rl.length)

@@ -38,6 +38,17 @@ Where the term enters (`length_mode`):
       alone: the task term keeps its normalisation.
   "reward"  Kimi k1.5 as written: w R_len is added to the task reward before the group
       advantage.
+
+How lengths are compared (`length_scale`):
+  "range" (Kimi k1.5)  lambda_i = 0.5 - (len_i - min_len) / (max_len - min_len): the spread is
+      always +-0.5, however small the length differences; a group whose answers differ by one
+      token is pushed as hard as one whose answers differ twofold.
+  "relative"  lambda_i = (min_len + max_len - 2 len_i) / (min_len + max_len), the length
+      difference from the group's midrange relative to it: a verbose vs concise group (2x)
+      spans +-1/3, a group of near-equal lengths (5% apart) +-0.025, so the pressure fades
+      once a group's correct answers are all concise instead of squeezing out their last
+      tokens. Same sign and ordering as "range"; the correct / wrong / no-correct-in-group
+      rules above apply to both.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from rlx.errors import ConfigError
 
 
 LENGTH_MODES = ("advantage", "reward")
+LENGTH_SCALES = ("range", "relative")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +72,15 @@ class LengthConfig:
   overlong_filter: bool = False
   length_reward: float = 0.0  # Kimi k1.5 group length reward coefficient (0: off)
   length_mode: str = "advantage"  # where the length term enters: "advantage" | "reward"
+  length_scale: str = "range"  # how lengths are compared: "range" (Kimi) | "relative"
 
   def __post_init__(self):
     if self.length_mode not in LENGTH_MODES:
       raise ValueError(f"length length_mode={self.length_mode!r}; expected one of "
                        f"{LENGTH_MODES}.")
+    if self.length_scale not in LENGTH_SCALES:
+      raise ValueError(f"length length_scale={self.length_scale!r}; expected one of "
+                       f"{LENGTH_SCALES}.")
     if not self.length_reward >= 0:
       raise ValueError(f"length length_reward={self.length_reward}; expected >= 0.")
     if self.overlong_buffer < 1:
@@ -90,17 +106,24 @@ def overlong_penalty(lengths_B, truncated_B, max_len: int, cfg: LengthConfig):
   return cfg.overlong_penalty * pen
 
 
-def group_length_reward(lengths_B, correct_B, group_size: int, valid_B=None):
+def group_length_reward(lengths_B, correct_B, group_size: int, valid_B=None,
+                        scale: str = "range"):
   """Kimi k1.5's length reward (unscaled) per response; groups are consecutive rows; 0 in
   groups without a correct response. valid_B: rows sampled (None: all; rlx.rl.adaptive),
-  the others get 0 and do not count towards their group's shortest / longest."""
+  the others get 0 and do not count towards their group's shortest / longest. scale:
+  `LENGTH_SCALES` (module docstring)."""
   lens = lengths_B.astype(jnp.float32).reshape(-1, group_size)
   ok = (correct_B > 0).reshape(-1, group_size)
   v = jnp.ones_like(ok) if valid_B is None else valid_B.reshape(-1, group_size)
   ok = ok & v
   lo = jnp.where(v, lens, jnp.inf).min(axis=1, keepdims=True)
   hi = jnp.where(v, lens, -jnp.inf).max(axis=1, keepdims=True)
-  lam = jnp.where(hi > lo, 0.5 - (lens - lo) / jnp.maximum(hi - lo, 1.0), 0.0)
+  if scale == "range":
+    lam = jnp.where(hi > lo, 0.5 - (lens - lo) / jnp.maximum(hi - lo, 1.0), 0.0)
+  elif scale == "relative":
+    lam = jnp.where(hi > lo, (lo + hi - 2 * lens) / jnp.maximum(lo + hi, 1.0), 0.0)
+  else:
+    raise ValueError(f"length scale={scale!r}; expected one of {LENGTH_SCALES}.")
   out = jnp.where(ok, lam, jnp.minimum(lam, 0.0))
   return jnp.where(ok.any(axis=1, keepdims=True) & v, out, 0.0).reshape(-1)
 

@@ -128,3 +128,30 @@ def test_all_correct_group_push_is_full_strength_as_a_reward_and_bounded_as_an_a
   got = length.centred_length_advantage(jnp.array([1.0, 0.0, 3.0, 9.0]), 4,
                                         jnp.array([True, True, True, False]))
   np.testing.assert_allclose(got, [1 - 4 / 3, -4 / 3, 3 - 4 / 3, 0.0], rtol=1e-6)
+
+
+def test_relative_scale_by_hand_and_its_push_fades_as_lengths_converge():
+  from rlx.rl.length import group_length_reward
+  # Group 0: lengths 10, 20, 30, 50 (midrange sum 60) -> (60 - 2 L) / 60 = 2/3, 1/3, 0, -2/3;
+  # the wrong ones keep min(0, lambda). Group 1: concise answers 100, 102, 104, 105 (sum 205)
+  # -> (205 - 2 L) / 205: a push of ~1/40 where "range" still gives the full +-0.5.
+  lengths = jnp.array([10, 20, 30, 50, 100, 102, 104, 105])
+  correct = jnp.array([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+  got = group_length_reward(lengths, correct, 4, scale="relative")
+  want = [2 / 3, 0.0, 0.0, -2 / 3] + [(205 - 2 * l) / 205 for l in (100, 102, 104, 105)]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  rng = group_length_reward(lengths, correct, 4, scale="range")
+  np.testing.assert_allclose(rng[4:], [0.5, 0.1, -0.3, -0.5], rtol=1e-6)
+  # Same ordering as Kimi's range scale within every group.
+  for a in (got, rng):
+    assert list(np.argsort(-np.asarray(a[4:]))) == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="length_scale='median'"):
+    LengthConfig(length_scale="median")
+
+
+def test_relative_scale_reaches_the_advantages_through_score():
+  shaped = _score(LengthConfig(length_reward=0.4, length_scale="relative"))
+  # lengths 2, 7, 8, 3; correct 1, 1, 1, 0; lo + hi = 10 -> lambda .6, -.4, -.6, (.4 -> 0).
+  term = 0.4 * np.array([0.6, -0.4, -0.6, 0.0])
+  np.testing.assert_allclose(shaped.advantages, _grpo([1, 1, 1, 0]) + term - term.mean(),
+                             rtol=1e-5, atol=1e-6)
