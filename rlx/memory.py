@@ -37,6 +37,11 @@ percent. With `lora.merge_for_sampling` the rollout (and eval) decodes with W + 
 merged once per rollout: one more copy of the adapted weights, in the base dtype, live while
 sampling.
 
+Compute dtype below the params' (f32 masters under bf16 compute: config.model.dtype="auto" on
+a GPU or TPU): the rollout and eval decode with a copy of the weight matrices cast to it once
+per call (rlx.step_state.sampling_copy), split like the matrices: one line per phase. The KV
+cache is in the compute dtype.
+
 Remat (`rl.remat`) and the samplers' KV caches and temporaries: rlx.memory_model holds the
 byte formulas the plan adds up, derived from the model and sampler code.
 """
@@ -227,6 +232,11 @@ class _Weights:
   params_dev: int
   sample_full: int  # bytes of the weights the sampler reads (the frozen base under LoRA)
   sample_dtype: str
+  # The sampler's copy of the matrices cast to the compute dtype (rlx.step_state.
+  # sampling_copy: f32 masters under bf16 compute), per device, and the per-device bytes of
+  # the leaves it is cast from; 0: the sampler reads the weights as stored.
+  copy_dev: int = 0
+  copy_from_dev: int = 0
   # LoRA only (config.lora.rank > 0):
   base_splits: dict[str, tuple[Any, int]] | None = None
   base_dtype: Any = None
@@ -250,6 +260,15 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
     the backward's saved activations to layer inputs + one layer (None: rl.remat on a
     non-CPU backend; XLA:CPU was measured to realise almost none of it).
   """
+  return _plan(config, model_cfg, mesh_shape, num_prompts=num_prompts,
+               prompt_width=prompt_width, num_groups=num_groups, rules=rules,
+               remat_realised=remat_realised)[0]
+
+
+def _plan(config, model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, num_prompts=None,
+          prompt_width=None, num_groups=None, rules=shd.DEFAULT_RULES,
+          remat_realised=None) -> tuple[MemoryPlan, _Weights]:
+  """`plan`, and what it found about the weights (`plan_overlap` reads the sampling copy)."""
   spec = configs.resolve(config)
   sizes = check_mesh(mesh_shape)
   margin = spec.memory.activation_margin
@@ -258,7 +277,7 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   capacity, source = device_memory_bytes(spec.memory.device_bytes)
   run = _run_shapes(spec, model_cfg, sizes, rules, num_prompts, prompt_width, num_groups)
   lines = _Lines(margin)
-  weights = _weight_lines(run, lines)
+  weights = _sampling_copy(run, _weight_lines(run, lines))
   _pool_lines(run, lines)
   _sampler_lines(run, weights, lines)
   _merged_lines(run, weights, lines)
@@ -266,7 +285,7 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   _grad_lines(run, weights, mb_rows, lines, remat_realised)
   return MemoryPlan(items=tuple(lines.items), capacity_bytes=int(capacity),
                     capacity_source=source, mesh_shape=dict(sizes), activation_margin=margin,
-                    notes=_notes(spec.lora, weights, margin))
+                    notes=_notes(spec.lora, weights, margin)), weights
 
 
 def _run_shapes(spec: configs.RunSpec, cfg: ModelConfig, sizes: dict[str, int], rules,
@@ -357,6 +376,24 @@ def _lora_weight_lines(run: _Run, abstract, tx, weights: _Weights, split_note: s
       head_act=lc.rank * c if "lm_head" in targets else 0)
 
 
+def _sampling_copy(run: _Run, weights: _Weights) -> _Weights:
+  """The weights the sampler reads: rlx.step_state.sampling_copy casts each float matrix
+  wider than the compute dtype (the params, or LoRA's base) to it once per rollout and eval,
+  split as the matrix it is cast from."""
+  c = run.c
+  cast = [(x, s) for x, s in (weights.base_splits or weights.splits).values()
+          if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
+          and jnp.dtype(x.dtype).itemsize > c]
+  if not cast:
+    return weights
+  copy_full = sum(math.prod(x.shape) * c for x, _ in cast)
+  return dataclasses.replace(
+      weights, sample_full=weights.sample_full - sum(nbytes(x) for x, _ in cast) + copy_full,
+      sample_dtype=jnp.dtype(run.cfg.compute_dtype).name,
+      copy_dev=sum(math.prod(x.shape) * c // s for x, s in cast),
+      copy_from_dev=sum(nbytes(x) // s for x, s in cast))
+
+
 def _pool_lines(run: _Run, lines: _Lines) -> None:
   """The selector, the prompt pool and the replay ring."""
   spec, n_prompts, n_groups, pw, t_new = (run.spec, run.n_prompts, run.n_groups, run.pw,
@@ -398,6 +435,11 @@ def _sampler_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
   if nb > 1 and weights.params_dev < weights.params_full:
     gathered = (weights.sample_full, weights.sample_dtype,
                 _HINT_BF16 if run.spec.lora is None else _HINT_LORA_BF16)
+  for phase in ("rollout", "eval") if weights.copy_dev else ():
+    lines.add(f"sampling weights ({weights.sample_dtype} copy, {phase})", weights.copy_dev,
+              f"matrices of {weights.copy_from_dev / 2**20:.1f} MiB cast to "
+              f"{weights.sample_dtype} ({c}B) once per call, split as stored", phase,
+              _HINT_FSDP)
   if s.impl == "paged":
     paged_lines = memory_model.paged_sampler_lines
     paged_lines(lines.add, cfg, "sampler", local, math.gcd(g, local), pw, sp, s.paged,
@@ -542,7 +584,8 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
   sub-mesh.
 
   generator  its copy of the policy (the params, or LoRA's merged weights, split on its
-             sub-mesh by the same rules), the selector snapshot, the prompt pool, the
+             sub-mesh by the same rules; matrices in the compute dtype where the params are
+             wider: the sampling copy), the selector snapshot, the prompt pool, the
              rollout's and evaluation's sampler, and the batch it just generated;
   learner    the training state (`plan` on the learner's sub-mesh without the sampler
              phases and the prompt pool) plus the max_staleness batches in flight, which
@@ -550,7 +593,7 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
   """
   spec = configs.resolve(config)
   k = spec.pipeline.max_staleness
-  gen_full = plan(spec, model_cfg, gen_shape, **kw)
+  gen_full, gen_w = _plan(spec, model_cfg, gen_shape, **kw)
   learn_full = plan(spec, model_cfg, learn_shape, **kw)
   pw = int(kw.get("prompt_width") or spec.sampler.max_prompt_len)
   t_new = int(spec.sampler.max_new_tokens)
@@ -565,19 +608,24 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
   inflight = lambda r: f"{r} rows x (P={pw} + 2T={2 * t_new} + 8) x 4B"
 
   sampling = ("rollout", "eval")
+  # The generator holds what the learner's policy_params made: the sampling copy (where the
+  # params are wider than the compute dtype) instead of the params and of its own copy.
+  copied = [it for it in gen_full.items if it.name.startswith("sampling weights")]
   merged = [it for it in gen_full.items if it.name.startswith("merged adapted weights")]
   gen_items = []
   for it in gen_full.items:
-    if it.name in ("params", "selector", "prompt pool") or (
-        it.phase in sampling and it not in merged):
+    if it.name in ("selector", "prompt pool") or (
+        it.phase in sampling and it not in merged + copied):
       gen_items.append(it)
-    elif it.name.startswith("frozen base"):  # LoRA: the generator holds the merged policy
-      extra = merged[0].bytes if merged else 0
+    elif it.name == "params" or it.name.startswith("frozen base"):
+      lora = it.name != "params"  # LoRA: the generator holds the merged policy
+      extra = merged[0].bytes if merged and not copied else 0
+      what = ", matrices as the sampling copy" if copied else (
+          " + merged adapted weights" if extra else "")
       gen_items.append(dataclasses.replace(
-          it, name="policy copy (LoRA merged)", bytes=it.bytes + extra,
-          formula=f"{it.formula} + merged adapted weights"))
-  gen_items = [dataclasses.replace(it, name="policy copy (params)") if it.name == "params"
-               else it for it in gen_items]
+          it, name=f"policy copy ({'LoRA merged' if lora else 'params'})",
+          bytes=it.bytes + extra - gen_w.copy_from_dev + gen_w.copy_dev,
+          formula=f"{it.formula}{what}"))
   gen_items.append(MemoryItem("generated batch (before its transfer)",
                               gen_rows * per_row, inflight(gen_rows), "rollout"))
   learn_items = [it for it in learn_full.items
