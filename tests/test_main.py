@@ -73,6 +73,26 @@ def test_workdir_with_a_different_model_is_refused(trained, tmp_path):
   assert open(base, "rb").read() == before
 
 
+def test_a_checkpoint_resumes_with_another_compute_dtype(trained, tmp_path):
+  """A run made computing in float32 (model.dtype="auto" on CPU) resumes computing in bfloat16,
+  as "auto" does on a GPU: the state holds f32 master params either way, the cached base is
+  reused, and the resume names the change, which config.json records."""
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  workdir, _, _ = trained
+  other = str(tmp_path / "bf16")
+  shutil.copytree(workdir, other)
+  assert json.load(open(os.path.join(other, "config.json")))["model"]["dtype"] == "float32"
+  logs = []
+  trainer.run(runlocal_config(total_steps=12, **{"model.dtype": "bfloat16"}), other,
+              log=logs.append, show_progress=False)
+  assert any("model.dtype: checkpoint 'float32', now 'bfloat16'" in l for l in logs), logs
+  assert any("computing in bfloat16 with float32 master params" in l for l in logs), logs
+  assert not any("supervised warm start" in l for l in logs)
+  assert rlx.read_metrics(other)[-1]["step"] == 12
+  assert json.load(open(os.path.join(other, "config.json")))["model"]["dtype"] == "bfloat16"
+
+
 def test_checkpoint_of_a_different_architecture_is_refused(trained, tmp_path):
   # Same task, but the checkpoint's recorded model differs from what the config builds.
   workdir, _, _ = trained
