@@ -98,13 +98,19 @@ def _state(params) -> train.TrainState:
                           step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32))
 
 
-def _rollout(dtype: str, impl: str, copy: bool = True):
-  """(graphdef, f32 master params, rollout) of the step's sampler computing in `dtype`."""
+def _sampler(dtype: str, impl: str, copy: bool = True):
+  """(graphdef, f32 master params, sample(state, prompts, lens, keys)): the step's sampler
+  computing in `dtype`, from the weights `policy_params` gives it."""
   g, params = init_params(dataclasses.replace(CFG, dtype=dtype), 0)
   cfg = _step_config(impl, dtype if copy else "")
-  prompts, lens, keys = _prompts()
   sample = lambda s, pr, pl, k: train.sample(g, train.policy_params(s, cfg), pr, pl, k, cfg, None)
-  return g, params, jax.jit(sample)(_state(params), prompts, lens, keys), sample
+  return g, params, sample
+
+
+def _rollout(dtype: str, impl: str):
+  """(graphdef, f32 master params, rollout)."""
+  g, params, sample = _sampler(dtype, impl)
+  return g, params, jax.jit(sample)(_state(params), *_prompts())
 
 
 def _trainer_logprobs(g, params, ro):
@@ -148,10 +154,10 @@ def _weight_casts_in_decode_loop(sample, params) -> int:
 
 @pytest.mark.parametrize("impl", ["dense", "paged"])
 def test_the_decode_loop_casts_no_weight_per_token(impl):
-  _, params, _, sample = _rollout("bfloat16", impl)
+  _, params, sample = _sampler("bfloat16", impl)
   assert _weight_casts_in_decode_loop(sample, params) == 0
   # Without the copy every matmul casts its f32 weight inside the loop: the check can fail.
-  _, _, _, uncopied = _rollout("bfloat16", impl, copy=False)
+  _, _, uncopied = _sampler("bfloat16", impl, copy=False)
   assert _weight_casts_in_decode_loop(uncopied, params) > 0
 
 
@@ -168,14 +174,14 @@ def test_bf16_behaviour_logprobs_match_the_trainers_recomputation(impl):
   roundings per token; in f32 the same comparison agrees to 1e-5 (asserted below), and the
   bf16 log-probs differ from the f32 model's by more than that (bf16 is really in effect).
   """
-  g, params, ro, _ = _rollout("bfloat16", impl)
+  g, params, ro = _rollout("bfloat16", impl)
   assert ro.logprobs.dtype == jnp.float32
   lp, mask = _trainer_logprobs(g, params, ro)
   assert lp.dtype == np.float32 and mask.sum() > B
   diff = np.abs(lp - np.asarray(ro.logprobs))[mask]
   assert diff.max() < 0.05 and diff.mean() < 0.01, (diff.max(), diff.mean())
 
-  g32, _, ro32, _ = _rollout("float32", impl)
+  g32, _, ro32 = _rollout("float32", impl)
   lp32, mask32 = _trainer_logprobs(g32, params, ro32)
   np.testing.assert_allclose(np.asarray(ro32.logprobs)[mask32], lp32[mask32], atol=1e-5)
   lp32_same_tokens, _ = _trainer_logprobs(g32, params, ro)
