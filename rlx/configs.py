@@ -213,11 +213,7 @@ def defaults() -> mlc.ConfigDict:
   c.model.mlp_dim = 384
   c.model.rope_theta = 10_000.0
   c.model.tie_embeddings = True
-  # Compute dtype (activations, matmuls, the sampler's weight copy and KV cache): "auto" is
-  # bfloat16 on GPU / TPU and float32 on CPU (bf16 is slow on XLA:CPU), resolved at setup
-  # and recorded resolved in config.json; or "float32" | "bfloat16" | "float16".
-  # Log-probs and the loss are f32 either way.
-  c.model.dtype = "auto"
+  c.model.dtype = "auto"  # compute: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.param_dtype = "float32"  # master params and optimizer state
 
   c.warm_start = mlc.ConfigDict()
