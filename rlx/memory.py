@@ -437,8 +437,8 @@ def _sampler_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
                 _HINT_BF16 if run.spec.lora is None else _HINT_LORA_BF16)
   for phase in ("rollout", "eval") if weights.copy_dev else ():
     lines.add(f"sampling weights ({weights.sample_dtype} copy, {phase})", weights.copy_dev,
-              f"matrices of {weights.copy_from_dev / 2**20:.1f} MiB cast to "
-              f"{weights.sample_dtype} ({c}B) once per call, split as stored", phase,
+              f"matrices of {human(weights.copy_from_dev)} cast to {weights.sample_dtype} "
+              f"({c}B) once per call, split as stored", phase,
               _HINT_FSDP)
   if s.impl == "paged":
     paged_lines = memory_model.paged_sampler_lines
