@@ -117,8 +117,13 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, shardings: Any, model_cfg: ModelConfig,
               ) -> tuple[Any, dict[str, Any]]:
     meta = self.read_meta(step)
+    # The compute dtype is not compared: the state holds the params in param_dtype (f32
+    # masters by default), so a run checkpointed computing in float32 (model.dtype="auto" on
+    # CPU) resumes computing in bfloat16 on a GPU; the resume logs the changed model.dtype.
     saved = meta.get("model")
+    saved = {k: v for k, v in saved.items() if k != "dtype"} if isinstance(saved, dict) else saved
     ours = json.loads(json.dumps(model_cfg.to_dict()))  # tuples -> lists, as stored
+    ours.pop("dtype")
     if saved is not None and saved != ours:
       diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {ours.get(k)!r}"
                for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]

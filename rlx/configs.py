@@ -104,6 +104,7 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
   checkpoint = CheckpointSpec.from_config(config)
   replay = ReplayConfig.from_config(config, num_batch_devices)
   rl = RLSpec.from_config(config, replay.num_samples if replay else 0, num_batch_devices)
+  model = ModelSpec.from_config(config)
   return RunSpec(
       # jax.random.key keeps 32 bits of the seed: 2**32 would run as seed 0.
       seed=chk.integer(config, "seed", 0, 2 ** 32 - 1), total_steps=config.total_steps,
@@ -116,8 +117,17 @@ def resolve(config: mlc.ConfigDict | RunSpec, num_batch_devices: int = 1) -> Run
       guard=GuardSpec.from_config(config), memory=MemorySpec.from_config(config),
       mesh=MeshSpec.from_config(config), lora=LoRAConfig.from_config(config),
       pipeline=PipelineSpec.from_config(config), task=TaskSpec.from_config(config),
-      tokenizer=TokenizerSpec.from_config(config), model=ModelSpec.from_config(config),
-      warm_start_dir=config.warm_start.dir or "", record=to_plain(config))
+      tokenizer=TokenizerSpec.from_config(config), model=model,
+      warm_start_dir=config.warm_start.dir or "", record=_record(config, model))
+
+
+def _record(config: mlc.ConfigDict, model: ModelSpec) -> dict[str, Any]:
+  """The config as JSON with model.dtype resolved ("auto" -> what this backend computes in):
+  config.json and the checkpoints say what the run computed with, and a resume on another
+  backend names the change."""
+  record = to_plain(config)
+  record["model"]["dtype"] = model.dtype
+  return record
 
 
 def replay_config(config: mlc.ConfigDict) -> ReplayConfig | None:
@@ -203,8 +213,8 @@ def defaults() -> mlc.ConfigDict:
   c.model.mlp_dim = 384
   c.model.rope_theta = 10_000.0
   c.model.tie_embeddings = True
-  c.model.dtype = "float32"  # activations; bf16 is slow on XLA:CPU
-  c.model.param_dtype = "float32"
+  c.model.dtype = "auto"  # compute: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
+  c.model.param_dtype = "float32"  # master params and optimizer state
 
   c.warm_start = mlc.ConfigDict()
   # A base model directory written by an earlier run (WORKDIR/base); empty: look in this

@@ -86,7 +86,8 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
         param_dtype=(spec.lora.base_dtype if spec.lora else "") or spec.model.param_dtype)
   else:
     tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
-    model_cfg, params = hf.load_hf(chosen, dtype=spec.model.dtype, mesh=mesh)
+    model_cfg, params = hf.load_hf(chosen, dtype=spec.model.dtype, mesh=mesh,
+                                   param_dtype=spec.model.param_dtype)
   graphdef = transformer.graphdef_for(model_cfg)
 
   if task.eval_levels:

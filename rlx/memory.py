@@ -37,6 +37,11 @@ percent. With `lora.merge_for_sampling` the rollout (and eval) decodes with W + 
 merged once per rollout: one more copy of the adapted weights, in the base dtype, live while
 sampling.
 
+Compute dtype below the params' (f32 masters under bf16 compute: config.model.dtype="auto" on
+a GPU or TPU): the rollout and eval decode with a copy of the weight matrices cast to it once
+per call (rlx.step_state.sampling_copy), split like the matrices: one line per phase. The KV
+cache is in the compute dtype.
+
 Remat (`rl.remat`) and the samplers' KV caches and temporaries: rlx.memory_model holds the
 byte formulas the plan adds up, derived from the model and sampler code.
 """
@@ -51,14 +56,14 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import ml_collections as mlc
-import numpy as np
 from jax.sharding import AbstractMesh
 
 from rlx import configs
 from rlx import memory_model
 from rlx import sharding as shd
 from rlx import train
-from rlx.memory_model import human
+from rlx.memory_model import (cdiv, check_mesh, human, like_params_bytes, nbytes, out_dim,
+                              param_splits)
 from rlx.model import lora as lora_lib
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
@@ -167,67 +172,6 @@ def device_memory_bytes(override: int = 0) -> tuple[int, str]:
   return host // n, f"host RAM / {n} local {dev.platform} device(s)"
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _nbytes(x) -> int:
-  return int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-
-
-def _check_mesh(mesh_shape: Mapping[str, int]) -> dict[str, int]:
-  bad = sorted(set(mesh_shape) - set(shd.AXES))
-  if bad:
-    raise configs.ConfigError(f"mesh_shape has unknown axes {bad}; expected a subset of "
-                              f"{shd.AXES}.")
-  sizes = {a: mesh_shape.get(a, 1) for a in shd.AXES}
-  for a, s in sizes.items():
-    if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
-      raise configs.ConfigError(f"mesh_shape[{a!r}]={s!r}; expected a positive int (resolve "
-                                "-1 to the device count before planning).")
-  return {a: int(s) for a, s in sizes.items()}
-
-
-def _param_splits(abstract_params, mesh: AbstractMesh, rules) -> dict[str, tuple[Any, int]]:
-  """path -> (abstract leaf, number of devices its array is split over)."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
-    p = shd.path_str(path)
-    spec = shd.spec_for(p, leaf.shape, mesh, rules)
-    split = 1
-    for entry in spec:
-      for axis in (entry if isinstance(entry, tuple) else (entry,)):
-        if axis is not None:
-          split *= mesh.shape[axis]
-    out[p] = (leaf, split)
-  return out
-
-
-def _like_params_bytes(tree, splits: dict[str, tuple[Any, int]]) -> int:
-  """Per-device bytes of a tree of param-shaped leaves (matched as
-  `rlx.sharding.shardings_like_params` does: path suffix); other leaves are replicated."""
-  total = 0
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    p = shd.path_str(path)
-    split = 1
-    for param_path, (param, s) in splits.items():
-      if (p == param_path or p.endswith("/" + param_path)) and leaf.shape == param.shape:
-        split = s
-        break
-    total += _nbytes(leaf) // split
-  return total
-
-
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-def _out_dim(tree, path: str) -> int:
-  """The output dimension of the [in, out] weight at `path` ("layer_0/attn/q_proj")."""
-  for k in path.split("/"):
-    tree = tree[k]
-  return int(tree.shape[-1])
-
-
 # ----------------------------------------------------------------------------- plan
 
 
@@ -288,6 +232,11 @@ class _Weights:
   params_dev: int
   sample_full: int  # bytes of the weights the sampler reads (the frozen base under LoRA)
   sample_dtype: str
+  # The sampler's copy of the matrices cast to the compute dtype (rlx.step_state.
+  # sampling_copy: f32 masters under bf16 compute), per device, and the per-device bytes of
+  # the leaves it is cast from; 0: the sampler reads the weights as stored.
+  copy_dev: int = 0
+  copy_from_dev: int = 0
   # LoRA only (config.lora.rank > 0):
   base_splits: dict[str, tuple[Any, int]] | None = None
   base_dtype: Any = None
@@ -311,15 +260,24 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
     the backward's saved activations to layer inputs + one layer (None: rl.remat on a
     non-CPU backend; XLA:CPU was measured to realise almost none of it).
   """
+  return _plan(config, model_cfg, mesh_shape, num_prompts=num_prompts,
+               prompt_width=prompt_width, num_groups=num_groups, rules=rules,
+               remat_realised=remat_realised)[0]
+
+
+def _plan(config, model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, num_prompts=None,
+          prompt_width=None, num_groups=None, rules=shd.DEFAULT_RULES,
+          remat_realised=None) -> tuple[MemoryPlan, _Weights]:
+  """`plan`, and what it found about the weights (`plan_overlap` reads the sampling copy)."""
   spec = configs.resolve(config)
-  sizes = _check_mesh(mesh_shape)
+  sizes = check_mesh(mesh_shape)
   margin = spec.memory.activation_margin
   if margin < 1.0:
     raise configs.ConfigError(f"config.memory.activation_margin={margin}; expected >= 1.0.")
   capacity, source = device_memory_bytes(spec.memory.device_bytes)
   run = _run_shapes(spec, model_cfg, sizes, rules, num_prompts, prompt_width, num_groups)
   lines = _Lines(margin)
-  weights = _weight_lines(run, lines)
+  weights = _sampling_copy(run, _weight_lines(run, lines))
   _pool_lines(run, lines)
   _sampler_lines(run, weights, lines)
   _merged_lines(run, weights, lines)
@@ -327,7 +285,7 @@ def plan(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfig,
   _grad_lines(run, weights, mb_rows, lines, remat_realised)
   return MemoryPlan(items=tuple(lines.items), capacity_bytes=int(capacity),
                     capacity_source=source, mesh_shape=dict(sizes), activation_margin=margin,
-                    notes=_notes(spec.lora, weights, margin))
+                    notes=_notes(spec.lora, weights, margin)), weights
 
 
 def _run_shapes(spec: configs.RunSpec, cfg: ModelConfig, sizes: dict[str, int], rules,
@@ -352,9 +310,9 @@ def _weight_lines(run: _Run, lines: _Lines) -> _Weights:
   """Params (or LoRA's frozen base and adapters), optimizer state, reference params."""
   cfg, spec = run.cfg, run.spec
   _, abstract = transformer.abstract_params(cfg)
-  splits = _param_splits(abstract, run.mesh, run.rules)
-  params_full = sum(_nbytes(x) for x, _ in splits.values())
-  params_dev = sum(_nbytes(x) // sp_ for x, sp_ in splits.values())
+  splits = param_splits(abstract, run.mesh, run.rules)
+  params_full = sum(nbytes(x) for x, _ in splits.values())
+  params_dev = sum(nbytes(x) // sp_ for x, sp_ in splits.values())
   n_split = sum(1 for _, sp_ in splits.values() if sp_ > 1)
   split_note = (f"{n_split}/{len(splits)} leaves split by spec_for" if n_split else
                 "replicated")
@@ -371,7 +329,7 @@ def _weight_lines(run: _Run, lines: _Lines) -> _Weights:
             f"{_HINT_FSDP}; {_HINT_BF16}; {_HINT_LORA}")
   opt_abstract = jax.eval_shape(tx.init, abstract)
   opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
-  lines.add("optimizer (adamw mu, nu)", _like_params_bytes(opt_abstract, splits),
+  lines.add("optimizer (adamw mu, nu)", like_params_bytes(opt_abstract, splits),
             f"2 x params-shaped ({'/'.join(opt_dtypes)}), split like params, + count", "state",
             f"{_HINT_LORA}; {_HINT_FSDP}; {_HINT_BF16}")
   if spec.rl.loss.kl_coef > 0:
@@ -389,11 +347,11 @@ def _lora_weight_lines(run: _Run, abstract, tx, weights: _Weights, split_note: s
   base_abs = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, bdt) if jnp.issubdtype(x.dtype, jnp.floating)
       else x, abstract)
-  base_splits = _param_splits(base_abs, run.mesh, run.rules)
-  base_dev = sum(_nbytes(x) // sp_ for x, sp_ in base_splits.values())
+  base_splits = param_splits(base_abs, run.mesh, run.rules)
+  base_dev = sum(nbytes(x) // sp_ for x, sp_ in base_splits.values())
   targets = lora_targets(abstract, lc)
   adapters = jax.eval_shape(lambda p: lora_lib.init_adapters(p, lc), abstract)
-  ad_bytes = sum(_nbytes(x) for x in jax.tree.leaves(adapters))  # replicated
+  ad_bytes = sum(nbytes(x) for x in jax.tree.leaves(adapters))  # replicated
   ad_n = sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))
   lines.add(f"frozen base ({bdt.name}, LoRA)", base_dev,
             f"{cfg.num_params() / 1e6:.1f}M x {bdt.itemsize}B ({bdt.name}), {split_note}",
@@ -404,25 +362,43 @@ def _lora_weight_lines(run: _Run, abstract, tx, weights: _Weights, split_note: s
   opt_abstract = jax.eval_shape(tx.init, adapters)
   opt_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(opt_abstract) if x.ndim})
   lines.add("optimizer (adamw mu, nu)",
-            sum(_nbytes(x) for x in jax.tree.leaves(opt_abstract)),
+            sum(nbytes(x) for x in jax.tree.leaves(opt_abstract)),
             f"2 x adapter-shaped ({'/'.join(opt_dtypes)}), replicated, + count; none for the "
             "base", "state", _HINT_LORA_RANK)
   # Per adapted projection and token the backward keeps x A [r] and, as XLA fuses the
   # y = xW + s (xA)B add into its consumers, xW and s (xA)B apart: one more [out] (c).
   return dataclasses.replace(
-      weights, sample_full=sum(_nbytes(x) for x, _ in base_splits.values()),
+      weights, sample_full=sum(nbytes(x) for x, _ in base_splits.values()),
       sample_dtype=bdt.name, base_splits=base_splits, base_dtype=bdt, targets=tuple(targets),
       adapter_bytes=ad_bytes,
-      lora_act=sum((lc.rank + _out_dim(abstract, t)) * c for t in targets
+      lora_act=sum((lc.rank + out_dim(abstract, t)) * c for t in targets
                    if t.startswith("layer_")),
       head_act=lc.rank * c if "lm_head" in targets else 0)
+
+
+def _sampling_copy(run: _Run, weights: _Weights) -> _Weights:
+  """The weights the sampler reads: rlx.step_state.sampling_copy casts each float matrix
+  wider than the compute dtype (the params, or LoRA's base) to it once per rollout and eval,
+  split as the matrix it is cast from."""
+  c = run.c
+  cast = [(x, s) for x, s in (weights.base_splits or weights.splits).values()
+          if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating)
+          and jnp.dtype(x.dtype).itemsize > c]
+  if not cast:
+    return weights
+  copy_full = sum(math.prod(x.shape) * c for x, _ in cast)
+  return dataclasses.replace(
+      weights, sample_full=weights.sample_full - sum(nbytes(x) for x, _ in cast) + copy_full,
+      sample_dtype=jnp.dtype(run.cfg.compute_dtype).name,
+      copy_dev=sum(math.prod(x.shape) * c // s for x, s in cast),
+      copy_from_dev=sum(nbytes(x) // s for x, s in cast))
 
 
 def _pool_lines(run: _Run, lines: _Lines) -> None:
   """The selector, the prompt pool and the replay ring."""
   spec, n_prompts, n_groups, pw, t_new = (run.spec, run.n_prompts, run.n_groups, run.pw,
                                           run.t_new)
-  sel_bytes = sum(_nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
+  sel_bytes = sum(nbytes(x) for x in jax.tree.leaves(jax.eval_shape(
       lambda: selection.SelectorState.init(max(n_prompts, 1), None, n_groups,
                                            spread=spec.selection.bucket_score == "spread"))))
   lines.add("selector", sel_bytes if n_prompts else 0,
@@ -433,7 +409,7 @@ def _pool_lines(run: _Run, lines: _Lines) -> None:
   rep = spec.replay
   if rep is not None:
     ring = jax.eval_shape(lambda: replay_lib.ReplayState.init(rep.capacity, pw, t_new))
-    ring_dev = sum(_cdiv(_nbytes(x), run.nb) if x.ndim else _nbytes(x)
+    ring_dev = sum(cdiv(nbytes(x), run.nb) if x.ndim else nbytes(x)
                    for x in jax.tree.leaves(ring))
     lines.add("replay ring", ring_dev,
               f"capacity {rep.capacity} x ((P={pw} + 2T) x 4B + 37B) / {run.nb} batch devices",
@@ -450,15 +426,20 @@ def _sampler_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
   s, cfg, nb, pw, c = run.spec.sampler, run.cfg, run.nb, run.pw, run.c
   sp = s.sampling(eos_id=0, pad_id=0)
   g = int(run.spec.rl.group_size)
-  local = _cdiv(run.spec.selection.groups_sampled_factor * int(run.spec.rl.prompts_per_step)
+  local = cdiv(run.spec.selection.groups_sampled_factor * int(run.spec.rl.prompts_per_step)
                 * g, nb)
-  eval_local = _cdiv(int(s.eval_batch_size), nb)
+  eval_local = cdiv(int(s.eval_batch_size), nb)
   # The paged sampler runs per batch shard under shard_map and reads the params replicated
   # (P()): FSDP-split params are all-gathered once per call, in the dtype sampled with.
   gathered = None
   if nb > 1 and weights.params_dev < weights.params_full:
     gathered = (weights.sample_full, weights.sample_dtype,
                 _HINT_BF16 if run.spec.lora is None else _HINT_LORA_BF16)
+  for phase in ("rollout", "eval") if weights.copy_dev else ():
+    lines.add(f"sampling weights ({weights.sample_dtype} copy, {phase})", weights.copy_dev,
+              f"matrices of {human(weights.copy_from_dev)} cast to {weights.sample_dtype} "
+              f"({c}B) once per call, split as stored", phase,
+              _HINT_FSDP)
   if s.impl == "paged":
     paged_lines = memory_model.paged_sampler_lines
     paged_lines(lines.add, cfg, "sampler", local, math.gcd(g, local), pw, sp, s.paged,
@@ -484,7 +465,7 @@ def _merged_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
   mdt = jnp.dtype(lc.merge_dtype) if lc.merge_dtype else weights.base_dtype
   merged = sum(math.prod(base_splits[t][0].shape) * mdt.itemsize // base_splits[t][1]
                for t in targets)
-  big_t = max(targets, key=lambda t: _nbytes(base_splits[t][0]) // base_splits[t][1])
+  big_t = max(targets, key=lambda t: nbytes(base_splits[t][0]) // base_splits[t][1])
   big_leaf, big_s = base_splits[big_t]
   delta = math.prod(big_leaf.shape) * 4 // big_s
   for phase in ("rollout", "eval"):
@@ -512,8 +493,8 @@ def _logp_lines(run: _Run, lines: _Lines) -> int:
                                     run.c)
   rep, loss = run.spec.replay, rl.loss
   train_rows = int(rl.prompts_per_step) * int(rl.group_size) + (rep.num_samples if rep else 0)
-  rows_dev = _cdiv(train_rows, nb)
-  mb_rows = _cdiv(train_rows, int(rl.num_minibatches) * nb)
+  rows_dev = cdiv(train_rows, nb)
+  mb_rows = cdiv(train_rows, int(rl.num_minibatches) * nb)
   logp_copies = 3 if loss.kl_coef > 0 else 2  # behaviour, old (and ref) log-probs
   per_row = pw * 4 + t_new * (4 + 4 * logp_copies + 1) + 12 * 4
   lines.add("training batch (+ minibatch copy)", 2 * rows_dev * per_row,
@@ -522,7 +503,7 @@ def _logp_lines(run: _Run, lines: _Lines) -> int:
   if int(rl.num_minibatches) == 1 and 0 < micro < train_rows:
     # Gradient accumulation (`train.update_shape`): one micro-batch's activations live at a
     # time, the fewest equal parts of <= micro rows that split over the batch devices.
-    mb_rows = _cdiv(train_rows // train.micro_parts(train_rows, micro, nb, rl.update_parts),
+    mb_rows = cdiv(train_rows // train.micro_parts(train_rows, micro, nb, rl.update_parts),
                     nb)
   forward_passes = []
   if not rl.fuse_pi_old or int(rl.num_minibatches) > 1:
@@ -569,7 +550,7 @@ def _grad_lines(run: _Run, weights: _Weights, mb_rows: int, lines: _Lines,
             f"{mb_rows} rows x {chunk_note} x V={V} x 4B x{copies} (logits, "
             f"logsumexp / its grad{', adapted lm_head' if head_act else ''})", "grad",
             f"config.rl.logprob_chunk (e.g. 128); {_HINT_MINIBATCH}", estimate=True)
-  big_name, (big, big_split) = max(weights.splits.items(), key=lambda kv: _nbytes(kv[1][0]))
+  big_name, (big, big_split) = max(weights.splits.items(), key=lambda kv: nbytes(kv[1][0]))
   if big_split > 1:
     n = int(math.prod(big.shape))
     if lc is None:
@@ -603,7 +584,8 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
   sub-mesh.
 
   generator  its copy of the policy (the params, or LoRA's merged weights, split on its
-             sub-mesh by the same rules), the selector snapshot, the prompt pool, the
+             sub-mesh by the same rules; matrices in the compute dtype where the params are
+             wider: the sampling copy), the selector snapshot, the prompt pool, the
              rollout's and evaluation's sampler, and the batch it just generated;
   learner    the training state (`plan` on the learner's sub-mesh without the sampler
              phases and the prompt pool) plus the max_staleness batches in flight, which
@@ -611,7 +593,7 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
   """
   spec = configs.resolve(config)
   k = spec.pipeline.max_staleness
-  gen_full = plan(spec, model_cfg, gen_shape, **kw)
+  gen_full, gen_w = _plan(spec, model_cfg, gen_shape, **kw)
   learn_full = plan(spec, model_cfg, learn_shape, **kw)
   pw = int(kw.get("prompt_width") or spec.sampler.max_prompt_len)
   t_new = int(spec.sampler.max_new_tokens)
@@ -619,26 +601,31 @@ def plan_overlap(config: configs.RunSpec | mlc.ConfigDict, model_cfg: ModelConfi
           spec.rl.group_size)
   # InFlight: prompts, completions, behaviour log-probs and 8 per-row scalars (4B each).
   per_row = (pw + 2 * t_new + 8) * 4
-  gen_nb = _check_mesh(gen_shape)
-  learn_nb = _check_mesh(learn_shape)
-  gen_rows = _cdiv(rows, gen_nb["data"] * gen_nb["fsdp"])
-  learn_rows = _cdiv(rows, learn_nb["data"] * learn_nb["fsdp"])
+  gen_nb = check_mesh(gen_shape)
+  learn_nb = check_mesh(learn_shape)
+  gen_rows = cdiv(rows, gen_nb["data"] * gen_nb["fsdp"])
+  learn_rows = cdiv(rows, learn_nb["data"] * learn_nb["fsdp"])
   inflight = lambda r: f"{r} rows x (P={pw} + 2T={2 * t_new} + 8) x 4B"
 
   sampling = ("rollout", "eval")
+  # The generator holds what the learner's policy_params made: the sampling copy (where the
+  # params are wider than the compute dtype) instead of the params and of its own copy.
+  copied = [it for it in gen_full.items if it.name.startswith("sampling weights")]
   merged = [it for it in gen_full.items if it.name.startswith("merged adapted weights")]
   gen_items = []
   for it in gen_full.items:
-    if it.name in ("params", "selector", "prompt pool") or (
-        it.phase in sampling and it not in merged):
+    if it.name in ("selector", "prompt pool") or (
+        it.phase in sampling and it not in merged + copied):
       gen_items.append(it)
-    elif it.name.startswith("frozen base"):  # LoRA: the generator holds the merged policy
-      extra = merged[0].bytes if merged else 0
+    elif it.name == "params" or it.name.startswith("frozen base"):
+      lora = it.name != "params"  # LoRA: the generator holds the merged policy
+      extra = merged[0].bytes if merged and not copied else 0
+      what = ", matrices as the sampling copy" if copied else (
+          " + merged adapted weights" if extra else "")
       gen_items.append(dataclasses.replace(
-          it, name="policy copy (LoRA merged)", bytes=it.bytes + extra,
-          formula=f"{it.formula} + merged adapted weights"))
-  gen_items = [dataclasses.replace(it, name="policy copy (params)") if it.name == "params"
-               else it for it in gen_items]
+          it, name=f"policy copy ({'LoRA merged' if lora else 'params'})",
+          bytes=it.bytes + extra - gen_w.copy_from_dev + gen_w.copy_dev,
+          formula=f"{it.formula}{what}"))
   gen_items.append(MemoryItem("generated batch (before its transfer)",
                               gen_rows * per_row, inflight(gen_rows), "rollout"))
   learn_items = [it for it in learn_full.items

@@ -7,6 +7,9 @@ XLA:CPU's scheduler realises almost none of that saving (measured: -6% of the up
 temporaries where the model predicts -50%), so on CPU the plan keeps the no-remat upper
 bound; on TPU / GPU (or `remat_realised=True`) it counts layer inputs + one layer.
 
+The helpers (`param_splits`, `like_params_bytes`, ...) size abstract trees per device under
+the sharding rules.
+
 Paged sampler (rollout and eval, `paged_sampler_lines`): the page pool, the params
 all-gathered into its shard_map under FSDP, and the transients of rlx.sampler.paged (one
 prefill chunk's layer, admission's page copy, one decode layer's attention -- the "reference"
@@ -21,9 +24,16 @@ rlx.memory's line collector.
 
 from __future__ import annotations
 
+import math
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh
 
+from rlx import sharding as shd
+from rlx.errors import ConfigError
 from rlx.model import transformer
 from rlx.model.config import ModelConfig
 from rlx.sampler import paged
@@ -35,6 +45,67 @@ def human(n: float) -> str:
     if abs(n) >= size:
       return f"{n / size:.2f} {unit}"
   return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def nbytes(x) -> int:
+  return int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def check_mesh(mesh_shape: Mapping[str, int]) -> dict[str, int]:
+  bad = sorted(set(mesh_shape) - set(shd.AXES))
+  if bad:
+    raise ConfigError(f"mesh_shape has unknown axes {bad}; expected a subset of "
+                              f"{shd.AXES}.")
+  sizes = {a: mesh_shape.get(a, 1) for a in shd.AXES}
+  for a, s in sizes.items():
+    if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
+      raise ConfigError(f"mesh_shape[{a!r}]={s!r}; expected a positive int (resolve "
+                                "-1 to the device count before planning).")
+  return {a: int(s) for a, s in sizes.items()}
+
+
+def param_splits(abstract_params, mesh: AbstractMesh, rules) -> dict[str, tuple[Any, int]]:
+  """path -> (abstract leaf, number of devices its array is split over)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+    p = shd.path_str(path)
+    spec = shd.spec_for(p, leaf.shape, mesh, rules)
+    split = 1
+    for entry in spec:
+      for axis in (entry if isinstance(entry, tuple) else (entry,)):
+        if axis is not None:
+          split *= mesh.shape[axis]
+    out[p] = (leaf, split)
+  return out
+
+
+def like_params_bytes(tree, splits: dict[str, tuple[Any, int]]) -> int:
+  """Per-device bytes of a tree of param-shaped leaves (matched as
+  `rlx.sharding.shardings_like_params` does: path suffix); other leaves are replicated."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    p = shd.path_str(path)
+    split = 1
+    for param_path, (param, s) in splits.items():
+      if (p == param_path or p.endswith("/" + param_path)) and leaf.shape == param.shape:
+        split = s
+        break
+    total += nbytes(leaf) // split
+  return total
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def out_dim(tree, path: str) -> int:
+  """The output dimension of the [in, out] weight at `path` ("layer_0/attn/q_proj")."""
+  for k in path.split("/"):
+    tree = tree[k]
+  return int(tree.shape[-1])
 
 
 def layer_activation_bytes(cfg: ModelConfig, seq: int,

@@ -16,7 +16,7 @@ import jax
 from rlx import config_checks as chk
 from rlx.data import registry
 from rlx.errors import ConfigError
-from rlx.model.config import ModelConfig
+from rlx.model.config import DTYPES, ModelConfig, model_dtype
 from rlx.rl import advantages as adv_lib
 from rlx.rl.loss import LossConfig
 from rlx.sampler.sampling import SamplingParams
@@ -97,20 +97,28 @@ class TokenizerSpec:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   path: str  # a Hugging Face checkpoint directory ("" = the tiny model of `arch`)
-  dtype: str
-  param_dtype: str
+  dtype: str  # the compute dtype, resolved ("auto" -> bfloat16 on GPU/TPU, float32 on CPU)
+  param_dtype: str  # master params (and so the optimizer state) are stored in this
   arch_items: tuple[tuple[str, Any], ...]  # config.model without `path`, in key order
+  auto_dtype: bool = False  # dtype was "auto" in the config (chosen for the backend)
 
   @classmethod
-  def from_config(cls, config) -> ModelSpec:
+  def from_config(cls, config, platform: str | None = None) -> ModelSpec:
+    """config.model with its dtype resolved for `platform` (default: jax.default_backend())."""
     m = config.model
-    arch = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in m.items()
-                 if k not in _MODEL_KEYS_NOT_ARCH)
-    return cls(path=m.path, dtype=m.dtype, param_dtype=m.param_dtype, arch_items=arch)
+    dtype = model_dtype(config, platform)
+    chk.need(isinstance(m.param_dtype, str) and m.param_dtype in DTYPES,
+             f"config.model.param_dtype={m.param_dtype!r}; expected one of {tuple(DTYPES)} "
+             f"(the master params' dtype; 'auto' is for config.model.dtype).")
+    arch = tuple((k, dtype if k == "dtype" else tuple(v) if isinstance(v, list) else v)
+                 for k, v in m.items() if k not in _MODEL_KEYS_NOT_ARCH)
+    return cls(path=m.path, dtype=dtype, param_dtype=m.param_dtype, arch_items=arch,
+               auto_dtype=m.dtype == "auto")
 
   @property
   def arch(self) -> dict[str, Any]:
-    """The architecture keys as written in the config (recorded with a warm-start base)."""
+    """The architecture keys as written in the config, dtype resolved (recorded with a
+    warm-start base)."""
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.arch_items}
 
   def tiny(self, vocab_size: int) -> ModelConfig:

@@ -105,6 +105,11 @@ class StepConfig:
   # Difficulty levels whose mixed (non-zero-variance) groups the ledger counts per step
   # (ledger/mixed_groups_d<level>): where the uncertain band is.
   ledger_levels: tuple[int, ...] = ()
+  # The model's compute dtype (config.model.dtype, resolved): the sampler and evaluation
+  # decode with a copy of the weight matrices cast to it once per call (`policy_params`)
+  # where the params are wider (f32 masters under bf16 compute). "" or the params' own
+  # dtype: no copy.
+  compute_dtype: str = ""
 
   def __post_init__(self):
     if self.selection.shadow_probe and self.verifier.kind != "exact_match":
@@ -131,7 +136,8 @@ class StepConfig:
                selection=spec.selection, replay=spec.replay, length=spec.length,
                reward_range=spec.guard.reward_range, verifier=verifier, lora=spec.lora,
                staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive,
-               ledger_levels=tuple(sorted(set(spec.task.rl_levels or spec.task.levels))))
+               ledger_levels=tuple(sorted(set(spec.task.rl_levels or spec.task.levels))),
+               compute_dtype=spec.model.dtype)
 
   @property
   def batch_size(self) -> int:
@@ -198,12 +204,34 @@ def model_params(params, base, cfg: StepConfig):
 def policy_params(state: TrainState, cfg: StepConfig):
   """What the sampler and evaluation decode with: the params, or (LoRA) the base with the
   adapters merged (cfg.lora.merge_for_sampling: W + scale * A @ B once per call, so each
-  decoded token costs what the full-parameter model's does) or attached unmerged."""
+  decoded token costs what the full-parameter model's does) or attached unmerged; weight
+  matrices wider than the compute dtype cast to it once per call (`sampling_copy`)."""
   if cfg.lora is None:
-    return state.params
-  if cfg.lora.merge_for_sampling:
-    return _merge(state.base, state.params, cfg.lora)
-  return lora_lib.attach(state.base, state.params, cfg.lora)
+    params = state.params
+  elif cfg.lora.merge_for_sampling:
+    params = _merge(state.base, state.params, cfg.lora)
+  else:
+    params = lora_lib.attach(state.base, state.params, cfg.lora)
+  return sampling_copy(params, cfg.compute_dtype)
+
+
+def sampling_copy(params, compute_dtype: str):
+  """`params` with every float matrix (ndim >= 2) wider than `compute_dtype` cast to it.
+
+  The model casts each weight to the compute dtype at its matmul (`lora.linear`), so decoding
+  with this copy gives the same numbers, while the sampler's loop reads half the bytes per
+  token (f32 masters under bf16 compute) and no cast runs per decoded token. Vectors (norm
+  scales, biases) are kept: RMSNorm computes in f32 from its scale as stored.
+  """
+  if not compute_dtype:
+    return params
+  dt = jnp.dtype(compute_dtype)
+
+  def cast(x):
+    narrower = (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2
+                and jnp.dtype(x.dtype).itemsize > dt.itemsize)
+    return x.astype(dt) if narrower else x
+  return jax.tree.map(cast, params)
 
 
 _merge = jax.jit(lora_lib.merge, static_argnums=2)

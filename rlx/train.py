@@ -55,7 +55,7 @@ from rlx.update_plan import micro_parts, part_widths, row_order, update_rows, up
 # (rlx.update), re-exported: rlx.train is where the step reads as one data flow.
 # pylint: disable=unused-import,g-multiple-import
 from rlx.step_state import (Batch, Rollouts, StepConfig, TrainState, completion_logprobs,
-                            model_params, policy_params, sequence_inputs)
+                            model_params, policy_params, sampling_copy, sequence_inputs)
 from rlx.update import (Ordered, _trim, guarded_apply, ledger, loss_and_grads, mix_replay,
                         optimise, order_rows, proximal_and_reference_logp,
                         split_micro_batches, update, update_metrics)

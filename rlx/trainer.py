@@ -52,6 +52,11 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
                                     verifier=registry.verifier_for(spec.task, tokenizer))
 
 
+def dtype_note(spec: configs.RunSpec) -> str:
+  """' (model.dtype='auto' on gpu)' where the compute dtype was chosen for the backend."""
+  return f" (model.dtype='auto' on {jax.default_backend()})" if spec.model.auto_dtype else ""
+
+
 def band_accuracy(m: dict[str, float], band) -> float:
   """Mean accuracy over the band's levels (empty band: overall accuracy)."""
   if not band:
@@ -138,8 +143,9 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
   exp = experiment.setup(spec, workdir, log=log, resuming=has_checkpoints,
                          show_progress=show_progress, check_stop=check_stop, mesh=mesh)
   log(f"[rlx] model: {exp.model_cfg.num_params() / 1e6:.2f}M params "
-      f"({exp.model_cfg.num_layers} layers, d_model {exp.model_cfg.d_model}); base: "
-      f"{exp.base_source}")
+      f"({exp.model_cfg.num_layers} layers, d_model {exp.model_cfg.d_model}), computing in "
+      f"{spec.model.dtype}{dtype_note(spec)} with {spec.model.param_dtype} master params; "
+      f"base: {exp.base_source}")
   log(f"[rlx] mesh {dict(mesh.shape)}; RL pool {exp.train_pool.size} prompts (levels "
       f"{spec.task.rl_levels or spec.task.levels}), eval {exp.eval_pool.size} prompts")
   gen_mesh = pipeline.make_meshes(spec, devices)[0] if spec.pipeline.mode == "overlap" else None

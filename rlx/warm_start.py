@@ -54,9 +54,16 @@ def base_matches(directory: str, spec: configs.RunSpec,
   if got != want:
     return False, f"{directory} was made for task {got}, the config asks for {want}"
   arch = json.loads(json.dumps(spec.model.arch))
-  if meta.get("model_overrides") != arch:
+  if _identity(meta.get("model_overrides")) != _identity(arch):
     return False, f"{directory} was made for model {meta.get('model_overrides')}, not {arch}"
   return True, ""
+
+
+def _identity(arch: dict[str, Any] | None) -> dict[str, Any] | None:
+  """What makes two bases the same model: the architecture without the compute dtype, since a
+  base's weights are stored in its param dtype and a base trained in float32 (on CPU) serves
+  a bfloat16 run (model.dtype="auto" on a GPU) as it is."""
+  return None if arch is None else {k: v for k, v in arch.items() if k != "dtype"}
 
 
 def save_base(directory: str, spec: configs.RunSpec, model_cfg, params, tokenizer, *,

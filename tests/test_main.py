@@ -6,7 +6,7 @@ import os
 import pytest
 
 import rlx
-from rlx import checkpoint, configs, trainer
+from rlx import checkpoint, configs, train, trainer
 from rlx.metrics import MetricsWarning
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +71,44 @@ def test_workdir_with_a_different_model_is_refused(trained, tmp_path):
   # The refused run left the existing checkpoints and base model alone.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "8"]
   assert open(base, "rb").read() == before
+
+
+def test_a_checkpoint_resumes_with_another_compute_dtype(trained, tmp_path):
+  """A run made computing in float32 (model.dtype="auto" on CPU) resumes computing in bfloat16,
+  as "auto" does on a GPU: the state holds f32 master params either way, the cached base is
+  reused, and the resume names the change, which config.json records."""
+  import json  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  workdir, _, _ = trained
+  other = str(tmp_path / "bf16")
+  shutil.copytree(workdir, other)
+  assert json.load(open(os.path.join(other, "config.json")))["model"]["dtype"] == "float32"
+  logs = []
+  trainer.run(runlocal_config(total_steps=12, **{"model.dtype": "bfloat16"}), other,
+              log=logs.append, show_progress=False)
+  assert any("model.dtype: checkpoint 'float32', now 'bfloat16'" in l for l in logs), logs
+  assert any("computing in bfloat16 with float32 master params" in l for l in logs), logs
+  assert not any("supervised warm start" in l for l in logs)
+  assert rlx.read_metrics(other)[-1]["step"] == 12
+  assert json.load(open(os.path.join(other, "config.json")))["model"]["dtype"] == "bfloat16"
+
+
+def test_bf16_compute_keeps_f32_master_params_and_optimizer_state(trained, tmp_path):
+  """The cached base loads in model.param_dtype, not in the compute dtype: under bf16 compute
+  the params the update trains and their Adam moments are f32; only the sampler's copy is
+  bf16."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  workdir, _, _ = trained
+  other = str(tmp_path / "bf16_build")
+  shutil.copytree(workdir, other)
+  setup = trainer.build(runlocal_config(**{"model.dtype": "bfloat16"}), other,
+                        log=lambda s: None)
+  assert (setup.exp.model_cfg.dtype, setup.step_cfg.compute_dtype) == ("bfloat16", "bfloat16")
+  floats = lambda t: {str(x.dtype) for x in jax.tree.leaves(t) if x.ndim}
+  assert floats(setup.state.params) == floats(setup.state.opt_state) == {"float32"}
+  policy = floats(jax.jit(lambda s: train.policy_params(s, setup.step_cfg))(setup.state))
+  assert policy == {"bfloat16", "float32"}  # matrices bf16; norm scales f32
 
 
 def test_checkpoint_of_a_different_architecture_is_refused(trained, tmp_path):

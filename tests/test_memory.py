@@ -451,3 +451,31 @@ def test_a_paged_evaluation_compiles_to_what_the_plan_says(mesh_shape, layers, b
   gathered = "eval sampler params (all-gathered)" in {it.name for it in planned.items}
   assert gathered == ("fsdp" in mesh_shape)
   assert abs(got - xla) <= 0.1 * xla, (got, xla)
+
+
+def test_bf16_compute_plans_the_samplers_weight_copy():
+  """model.dtype="bfloat16" over f32 masters: rollout and eval each hold the sampler's bf16
+  copy of the weight matrices (rlx.step_state.sampling_copy), its real bytes on a device of
+  an FSDP mesh; f32 compute makes no copy; an overlap generator holds the copy (and its f32
+  vectors) instead of the params."""
+  config = _config(**{"model.dtype": "bfloat16"})
+  cfg = _model(config)
+  assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+  _, params = transformer.init_params(cfg)
+  mesh = shd.make_mesh(1, 2, devices=jax.devices()[:2])
+  state = train.init_state(params, train.make_optimizer(1e-3, 10), 0, mesh)
+  copy = jax.jit(lambda p: train.sampling_copy(p, "bfloat16"))(state.params)
+  matrices = [x for x in jax.tree.leaves(copy) if x.ndim >= 2]
+  assert {x.dtype for x in matrices} == {jax.numpy.dtype("bfloat16")}
+  p = memory.plan(config, cfg, {"fsdp": 2})
+  for phase in ("rollout", "eval"):
+    line = p.item(f"sampling weights (bfloat16 copy, {phase})")
+    assert line.phase == phase and line.bytes == _bytes_on_first_device(matrices)
+  assert p.item("params").bytes == _bytes_on_first_device(state.params)  # f32 masters
+  f32 = _config()
+  assert not [it for it in memory.plan(f32, _model(f32), {"fsdp": 2}).items
+              if it.name.startswith("sampling weights")]
+  gen, _ = memory.plan_overlap(config, cfg, {"data": 2}, {"fsdp": 2})
+  assert gen.item("policy copy (params)").bytes == sum(
+      x.nbytes for x in jax.tree.leaves(train.sampling_copy(params, "bfloat16")))
+  assert not [it for it in gen.items if it.name.startswith("sampling weights")]

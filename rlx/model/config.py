@@ -6,11 +6,37 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+import jax
 import jax.numpy as jnp
+
+from rlx.errors import ConfigError
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Backends (jax.default_backend()) where config.model.dtype="auto" computes in bfloat16.
+BF16_PLATFORMS = ("gpu", "tpu", "cuda", "rocm")
+
+
+def resolve_dtype(value, platform: str, key: str = "model.dtype") -> str:
+  """config.model.dtype as the model computes: "auto" is bfloat16 on a GPU or TPU (half the
+  bytes per weight and KV entry read while decoding, native bf16 matmuls) and float32 on
+  every other backend (XLA:CPU runs bf16 matmuls several times slower than f32); an explicit
+  dtype name is kept. Master params stay in config.model.param_dtype either way.
+
+  platform: jax.default_backend() of the run ("cpu", "gpu", "tpu").
+  """
+  if value == "auto":
+    return "bfloat16" if str(platform).lower() in BF16_PLATFORMS else "float32"
+  if not isinstance(value, str) or value not in DTYPES:
+    raise ConfigError(f"config.{key}={value!r}; expected 'auto' (bfloat16 on GPU/TPU, float32 "
+                      f"on CPU) or one of {tuple(DTYPES)}.")
+  return value
+
+
+def model_dtype(config, platform: str | None = None) -> str:
+  """config.model.dtype resolved for `platform` (default: this process's JAX backend)."""
+  return resolve_dtype(config.model.dtype, platform or jax.default_backend())
 
 
 @dataclasses.dataclass(frozen=True)

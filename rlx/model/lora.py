@@ -40,6 +40,7 @@ from flax import struct
 
 from rlx import config_checks as chk
 from rlx.errors import ConfigError
+from rlx.model.config import model_dtype
 
 Params = dict[str, Any]
 
@@ -105,8 +106,8 @@ class LoRAConfig:
     try:
       try:  # the wider of the base's and the compute dtype (see merge_dtype)
         merge = str(jnp.promote_types(jnp.dtype(lc.base_dtype or config.model.param_dtype),
-                                      jnp.dtype(config.model.dtype)))
-      except TypeError:  # a bad model dtype: the model's own check names it
+                                      jnp.dtype(model_dtype(config))))
+      except (TypeError, ConfigError):  # a bad model dtype: the model's own check names it
         merge = ""
       return cls(rank=rank, alpha=float(lc.alpha), targets=(lc.targets,),
                  base_dtype=lc.base_dtype, merge_for_sampling=bool(lc.merge_for_sampling),

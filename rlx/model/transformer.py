@@ -448,7 +448,9 @@ def token_logprobs(graphdef, params, tokens_BxT, pos_BxT, valid_BxT, temperature
   logits_of = model.logits
 
   def logp_of(h, tgt):
-    logits = logits_of(h) / temperature
+    # f32 whatever the compute dtype (the vocabulary projection accumulates in f32): a bf16
+    # log-sum-exp over the vocabulary would lose the log-probs' small differences.
+    logits = logits_of(h).astype(jnp.float32) / temperature
     picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
