@@ -228,9 +228,9 @@ def sampling_copy(params, compute_dtype: str):
   dt = jnp.dtype(compute_dtype)
 
   def cast(x):
-    narrower = (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2
+    wider = (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2
                 and jnp.dtype(x.dtype).itemsize > dt.itemsize)
-    return x.astype(dt) if narrower else x
+    return x.astype(dt) if wider else x
   return jax.tree.map(cast, params)
 
 
