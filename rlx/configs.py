@@ -333,6 +333,9 @@ def defaults() -> mlc.ConfigDict:
   # shortest..longest), "relative" (the difference from the group's midrange relative to it,
   # so the push fades as lengths converge; rlx.rl.length).
   c.length.length_scale = "range"
+  # Steps over which the length weight ramps linearly from 0 to length_reward (0: full weight
+  # from the first step), as Kimi k1.5 warms its length penalty up.
+  c.length.length_warmup_steps = 0
 
   c.sampler = mlc.ConfigDict()
   c.sampler.impl = "paged"  # paged (default) | dense (the reference oracle)

@@ -292,9 +292,10 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   if cfg.length.overlong_shaping:
     rewards = rewards + length_lib.overlong_penalty(
         batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
-  length_adv = None
+  length_adv = length_w = None
   if cfg.length.length_reward > 0:
-    term = cfg.length.length_reward * length_lib.group_length_reward(
+    length_w = length_lib.length_weight(cfg.length, state.step)
+    term = length_w * length_lib.group_length_reward(
         batch.lengths, correct, g, valid, cfg.length.length_scale)
     if cfg.length.length_mode == "reward":
       rewards = rewards + term
@@ -313,6 +314,8 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   stats["reward/first_invalid_prompt"] = batch.prompt_ids[first].astype(jnp.float32)
   stats["reward/first_invalid_value"] = jnp.where(invalid.any(), correct[first], 0.0)
   stats["ledger/tokens_generated"] = lengths.sum()
+  if length_w is not None:
+    stats["length/weight"] = length_w
   if state.replay is not None:  # bounds the replayed rows' width (see `update_width`)
     stats["replay/ring_max_len"] = jnp.where(state.replay.valid, state.replay.lengths,
                                              0).max().astype(jnp.float32)

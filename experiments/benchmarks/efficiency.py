@@ -109,6 +109,10 @@ _SHADOW = flags.DEFINE_integer("shadow_probe", -1, "H / G arms: uniform prompts 
                                "their true pass rate every 10 steps, to check the rule's "
                                "exclusions (-1: 128 on chains, else 0 (needs exact match)).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Fake CPU devices (the O arm needs 2+).")
+_SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override of every arm and the "
+                                 "warm start (VALUE a Python literal, else a string), e.g. "
+                                 "--set='task.rl_level_weights={\"1\": 0.75, \"2\": 0.0833}': "
+                                 "a task variant.")
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the configs
 
@@ -265,10 +269,25 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
   else:
     base = rlx.load_config(os.path.join(EXPERIMENTS, "arith.py"))
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
-  config = configs.with_overrides(base, {**common, **overrides})
+  config = configs.with_overrides(base, {**common, **parse_sets(_SET.value), **overrides})
   if config.adaptive.first and not config.adaptive.extend_groups:
     config.adaptive.extend_groups = max(1, config.rl.prompts_per_step // 2)
   return config
+
+
+def parse_sets(items: list[str]) -> dict:
+  """--set KEY=VALUE items as overrides; VALUE is a Python literal or else a plain string."""
+  import ast  # pylint: disable=g-import-not-at-top
+  out = {}
+  for item in items:
+    key, eq, text = item.partition("=")
+    if not eq or not key.strip():
+      raise app.UsageError(f"--set={item!r}: expected KEY=VALUE, e.g. --set=optim.lr=3e-4.")
+    try:
+      out[key.strip()] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      out[key.strip()] = text
+  return out
 
 
 def run_one(config, workdir: str) -> dict:
@@ -456,7 +475,7 @@ def main(_):
   budget = min(r["curve"][-1][1] for rs in results.values() for r in rs)
   ttt = {a: [tokens_to_target(r["curve"], target) for r in rs] for a, rs in results.items()}
   lines = [
-      f"Task {_TASK.value}. Target band accuracy {target:.2f} (base {base_acc:.3f}, pilot B0 final "
+      f"Task {_TASK.value}{' (' + '; '.join(_SET.value) + ')' if _SET.value else ''}. Target band accuracy {target:.2f} (base {base_acc:.3f}, pilot B0 final "
       f"{pilot_final:.3f}); {steps} steps per run, {_SEEDS.value} seeds per arm; accuracy at "
       f"a fixed budget of {budget / 1e3:.1f}k generated tokens.",
       "",

@@ -73,6 +73,7 @@ class LengthConfig:
   length_reward: float = 0.0  # Kimi k1.5 group length reward coefficient (0: off)
   length_mode: str = "advantage"  # where the length term enters: "advantage" | "reward"
   length_scale: str = "range"  # how lengths are compared: "range" (Kimi) | "relative"
+  length_warmup_steps: int = 0  # the weight ramps 0 -> length_reward over these RL steps
 
   def __post_init__(self):
     if self.length_mode not in LENGTH_MODES:
@@ -83,6 +84,9 @@ class LengthConfig:
                        f"{LENGTH_SCALES}.")
     if not self.length_reward >= 0:
       raise ValueError(f"length length_reward={self.length_reward}; expected >= 0.")
+    if not (isinstance(self.length_warmup_steps, int) and self.length_warmup_steps >= 0):
+      raise ValueError(f"length length_warmup_steps={self.length_warmup_steps!r}; expected an "
+                       "integer >= 0.")
     if self.overlong_buffer < 1:
       raise ValueError(f"length overlong_buffer={self.overlong_buffer}; expected >= 1.")
     if self.overlong_penalty < 0:
@@ -95,6 +99,17 @@ class LengthConfig:
       return cls(**dict(config.length))
     except (ValueError, TypeError) as e:
       raise ConfigError(f"config.length: {e}") from None
+
+
+def length_weight(cfg: LengthConfig, step):
+  """The length term's weight at RL step `step` (0-based): length_reward, ramped linearly
+  from length_reward / warmup at step 0 to the full weight at step warmup - 1 when
+  length_warmup_steps = warmup > 0 (Kimi k1.5 warms its length penalty up; on column
+  addition a full-weight start jumps the policy into a style it cannot yet answer in)."""
+  if cfg.length_warmup_steps <= 0:
+    return jnp.float32(cfg.length_reward)
+  ramp = jnp.minimum((jnp.asarray(step, jnp.float32) + 1) / cfg.length_warmup_steps, 1.0)
+  return cfg.length_reward * ramp
 
 
 def overlong_penalty(lengths_B, truncated_B, max_len: int, cfg: LengthConfig):

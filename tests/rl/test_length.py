@@ -9,7 +9,7 @@ import pytest
 from rlx import sharding as shd
 from rlx import train
 from rlx.model import ModelConfig, init_params
-from rlx.rl.length import LengthConfig, overlong_penalty
+from rlx.rl.length import LengthConfig, length_weight, overlong_penalty
 from rlx.rl.loss import LossConfig
 from rlx.sampler.sampling import SamplingParams
 
@@ -28,13 +28,15 @@ def test_soft_overlong_punishment_by_hand():
     (dict(overlong_buffer=0), "overlong_buffer=0"),
     (dict(overlong_penalty=-1.0), "overlong_penalty=-1.0"),
     (dict(length_mode="before"), "length_mode='before'"),
+    (dict(length_warmup_steps=-1), "length_warmup_steps=-1"),
+    (dict(length_warmup_steps=2.5), "length_warmup_steps=2.5"),
 ])
 def test_bad_length_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LengthConfig(**kwargs)
 
 
-def _score(length_cfg):
+def _score(length_cfg, step=0):
   """Scores one hand-made group of 4: two correct, one of them cut at max length."""
   cfg = train.StepConfig(prompts_per_step=1, group_size=4, advantage="grpo", num_updates=1,
                          num_minibatches=1, loss=LossConfig(),
@@ -54,6 +56,7 @@ def _score(length_cfg):
       prompt_ids=jnp.zeros((b,), jnp.int32), difficulty=jnp.ones((b,), jnp.int32),
       policy_version=jnp.zeros((b,), jnp.int32))
   correct = jnp.array([1.0, 1.0, 1.0, 0.0])
+  state = state.replace(step=jnp.asarray(step, jnp.int32))
   _, scored = train.score(state, train.Rollouts(batch, {}), correct, cfg=cfg)
   return scored.batch
 
@@ -154,4 +157,25 @@ def test_relative_scale_reaches_the_advantages_through_score():
   # lengths 2, 7, 8, 3; correct 1, 1, 1, 0; lo + hi = 10 -> lambda .6, -.4, -.6, (.4 -> 0).
   term = 0.4 * np.array([0.6, -0.4, -0.6, 0.0])
   np.testing.assert_allclose(shaped.advantages, _grpo([1, 1, 1, 0]) + term - term.mean(),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_length_warmup_ramps_the_weight_by_hand():
+  cfg = LengthConfig(length_reward=0.4, length_warmup_steps=4)
+  np.testing.assert_allclose([float(length_weight(cfg, s)) for s in range(6)],
+                             [0.1, 0.2, 0.3, 0.4, 0.4, 0.4], rtol=1e-6)
+  assert float(length_weight(LengthConfig(length_reward=0.4), 0)) == pytest.approx(0.4)
+
+
+def test_length_warmup_reaches_the_advantages_through_score():
+  # Step 1 of a 4-step warm-up: weight 0.4 x 2/4 = 0.2 (the relative table above).
+  shaped = _score(LengthConfig(length_reward=0.4, length_scale="relative",
+                               length_warmup_steps=4), step=1)
+  term = 0.2 * np.array([0.6, -0.4, -0.6, 0.0])
+  np.testing.assert_allclose(shaped.advantages, _grpo([1, 1, 1, 0]) + term - term.mean(),
+                             rtol=1e-5, atol=1e-6)
+  full = _score(LengthConfig(length_reward=0.4, length_scale="relative",
+                             length_warmup_steps=4), step=9)
+  term = 0.4 * np.array([0.6, -0.4, -0.6, 0.0])
+  np.testing.assert_allclose(full.advantages, _grpo([1, 1, 1, 0]) + term - term.mean(),
                              rtol=1e-5, atol=1e-6)
