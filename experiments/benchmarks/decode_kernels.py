@@ -17,7 +17,8 @@ decode `while` loops in the optimized HLO and counts what one iteration launches
   fusion, custom-call, copy, dynamic-update-slice: those opcodes among the launches;
   dot       dots / convolutions outside any fusion; matmuls = those plus fusions and
             custom-calls that contain or are a matmul (a GPU's GEMM kernels);
-  per layer the marginal cost of a layer: count(L layers) - count(L-1 layers).
+  per layer the marginal cost of a layer: count(L layers) - count(L-1 layers);
+  nested loops, launches in them: the loops inside the body and what their trips launch.
 
 On a GPU a fusion is one kernel launch. On CPU XLA runs a fusion as one compiled loop nest
 and each other instruction as its own thunk, so the counts are the proxy for kernels; the
@@ -37,7 +38,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
