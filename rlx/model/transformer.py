@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from rlx.model.config import ModelConfig
 from rlx.model.lora import linear
@@ -213,6 +213,83 @@ def apply_rope(x_BxTxHxD, pos_BxT, inv_freq):
   return out.astype(x_BxTxHxD.dtype)
 
 
+# ----------------------------------------------------------------------------- fused projections
+
+
+@struct.dataclass
+class FusedProjection:
+  """Projections of one input side by side, as a decode step wants them: `w` [in, sum(sizes)]
+  is their matrices concatenated along the output axis, so the step runs one matmul (one
+  kernel, one pass over the input) where it ran len(sizes). It stands at the first
+  projection's leaf (q_proj, gate_proj) and `FusedElsewhere` at the others' (see
+  `fuse_projections`); the params tree and its paths stay those of the unfused model."""
+
+  w: jax.Array
+  sizes: tuple[int, ...] = struct.field(pytree_node=False)
+
+  def __getitem__(self, index):  # nnx reads variables as `var[...]`
+    if index is not Ellipsis:
+      raise TypeError(f"FusedProjection supports only [...] indexing, got {index!r}")
+    return self
+
+  def apply(self, eq: str, x, dtype) -> list[jax.Array]:
+    """The projections of x (`eq` as for `linear`), split back into one array each."""
+    y = linear(eq, x, self.w, dtype)
+    return jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)
+
+
+@struct.dataclass
+class FusedElsewhere:
+  """Stands in for a projection whose columns are part of a `FusedProjection`."""
+
+  def __getitem__(self, index):
+    raise TypeError("this projection is fused into a FusedProjection at a sibling leaf "
+                    "(rlx.model.transformer.fuse_projections); read it there.")
+
+
+# Projections that read the same input, per module: the first leaf gets the fused matrix.
+FUSED_GROUPS = (("attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def fuse_projections(params: Params) -> Params:
+  """`params` with each layer's q/k/v and gate/up matrices concatenated into one
+  `FusedProjection` (a copy of those matrices), for the samplers' decode loops: per layer
+  per token, 2 matmuls instead of 5 (experiments/results/decode_kernels_cpu.md). The model
+  computes the same products from either tree (equal within f32 rounding: one GEMM may sum
+  in another order than three). The cost is that copy, held while the sampler runs: on CPU
+  in f32 about 5/7 of the layers' matrices at the default MLP width; where the sampling copy
+  casts f32 masters to bf16 anyway, XLA writes the cast straight into the fused matrix.
+
+  A group is left as it is unless all its matrices are plain 2-D arrays of one dtype and
+  input width: LoRA's unmerged `LoRAWeight`s (attach) keep their low-rank path, and a tree
+  that is already fused passes through."""
+
+  def fusable(ws):
+    return (all(isinstance(w, (jax.Array, np.ndarray)) and np.ndim(w) == 2 for w in ws)
+            and len({(jnp.dtype(w.dtype), w.shape[0]) for w in ws}) == 1)
+
+  out = dict(params)
+  for key, layer in params.items():
+    if not (key.startswith("layer_") and isinstance(layer, dict)):
+      continue
+    layer = dict(layer)
+    for module, names in FUSED_GROUPS:
+      sub = layer.get(module)
+      if not isinstance(sub, dict) or not all(n in sub for n in names):
+        continue
+      ws = [sub[n] for n in names]
+      if not fusable(ws):
+        continue
+      sub = dict(sub)
+      sub[names[0]] = FusedProjection(jnp.concatenate(ws, axis=1),
+                                      tuple(int(w.shape[1]) for w in ws))
+      for n in names[1:]:
+        sub[n] = FusedElsewhere()
+      layer[module] = sub
+    out[key] = layer
+  return out
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -258,18 +335,23 @@ class Attention(nnx.Module):
     self.spec = AttentionSpec(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap,
                               window=cfg.window(layer))
 
-  def _project(self, x, name, heads):
+  def _project(self, x, name, heads, y=None):
+    """x's projection `name` as [B, T, heads, head_dim]; y: the product, when already taken."""
     cfg = self.cfg
-    y = linear("btd,de->bte", x, getattr(self, f"{name}_proj")[...], cfg.compute_dtype)
+    if y is None:
+      y = linear("btd,de->bte", x, getattr(self, f"{name}_proj")[...], cfg.compute_dtype)
     if cfg.qkv_bias:
       y = y + getattr(self, f"{name}_bias")[...].astype(cfg.compute_dtype)
     return y.reshape(*x.shape[:2], heads, cfg.head_dim)
 
   def __call__(self, x_BxTxD, pos_BxT, valid_BxT, ctx: KVContext | None):
     cfg = self.cfg
-    q = self._project(x_BxTxD, "q", cfg.num_heads)
-    k = self._project(x_BxTxD, "k", cfg.num_kv_heads)
-    v = self._project(x_BxTxD, "v", cfg.num_kv_heads)
+    qkv = self.q_proj[...]
+    fused = (qkv.apply("btd,de->bte", x_BxTxD, cfg.compute_dtype)
+             if isinstance(qkv, FusedProjection) else (None, None, None))
+    q = self._project(x_BxTxD, "q", cfg.num_heads, fused[0])
+    k = self._project(x_BxTxD, "k", cfg.num_kv_heads, fused[1])
+    v = self._project(x_BxTxD, "v", cfg.num_kv_heads, fused[2])
     if cfg.qk_norm:
       q = self.q_norm(q)
       k = self.k_norm(k)
@@ -299,8 +381,12 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dt = self.cfg.compute_dtype
-    gate = linear("btd,df->btf", x, self.gate_proj[...], dt)
-    up = linear("btd,df->btf", x, self.up_proj[...], dt)
+    gate_up = self.gate_proj[...]
+    if isinstance(gate_up, FusedProjection):
+      gate, up = gate_up.apply("btd,df->btf", x, dt)
+    else:
+      gate = linear("btd,df->btf", x, gate_up, dt)
+      up = linear("btd,df->btf", x, self.up_proj[...], dt)
     if self.cfg.activation == "silu":
       act = jax.nn.silu(gate)
     else:

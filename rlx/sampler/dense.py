@@ -61,7 +61,9 @@ def generate(graphdef, params, prompts_BxP, prompt_lens_B, keys_B, *,
 def generate_unjitted(graphdef, params, prompts_BxP, prompt_lens_B, keys_B,
                       sp: SamplingParams) -> Rollout:
   """Samples up to sp.max_new_tokens per prompt. Pure; call inside jit."""
-  model = transformer.bind(graphdef, params)
+  # q/k/v and gate/up as one matmul each: fewer kernels per decoded token, for one copy of
+  # those matrices per call (transformer.fuse_projections).
+  model = transformer.bind(graphdef, transformer.fuse_projections(params))
   cfg = model.cfg
   b, p = prompts_BxP.shape
   t_max = sp.max_new_tokens

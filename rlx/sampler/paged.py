@@ -509,7 +509,9 @@ def _pack(st: PagedState, width: int) -> PagedState:
 def _generate_local(graphdef, params, prompts_BxP, prompt_lens_B, keys_B, forced_B, *,
                     lay: _Layout, sp: SamplingParams, attention: Attention):
   """One shard's sequences, start to finish: a full-width loop, then the narrower tails."""
-  model = transformer.bind(graphdef, params)
+  # q/k/v and gate/up as one matmul each: fewer kernels per decoded token, for one copy of
+  # those matrices per call (transformer.fuse_projections).
+  model = transformer.bind(graphdef, transformer.fuse_projections(params))
   inp = _Inputs(group_prompts=prompts_BxP[::lay.group].astype(jnp.int32),
                 group_lens=prompt_lens_B[::lay.group].astype(jnp.int32), keys=keys_B,
                 forced_lengths=None if forced_B is None else forced_B.astype(jnp.int32))
