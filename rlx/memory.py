@@ -40,7 +40,8 @@ sampling.
 Compute dtype below the params' (f32 masters under bf16 compute: config.model.dtype="auto" on
 a GPU or TPU): the rollout and eval decode with a copy of the weight matrices cast to it once
 per call (rlx.step_state.sampling_copy), split like the matrices: one line per phase. The KV
-cache is in the compute dtype.
+cache is in the compute dtype. Both samplers then concatenate each layer's q/k/v and gate/up
+matrices once per call (one matmul each per decoded token): one more copy of those, per phase.
 
 Remat (`rl.remat`) and the samplers' KV caches and temporaries: rlx.memory_model holds the
 byte formulas the plan adds up, derived from the model and sampler code.
@@ -440,6 +441,7 @@ def _sampler_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
               f"matrices of {human(weights.copy_from_dev)} cast to {weights.sample_dtype} "
               f"({c}B) once per call, split as stored", phase,
               _HINT_FSDP)
+  _fused_lines(run, weights, lines, gathered)
   if s.impl == "paged":
     paged_lines = memory_model.paged_sampler_lines
     paged_lines(lines.add, cfg, "sampler", local, math.gcd(g, local), pw, sp, s.paged,
@@ -451,6 +453,44 @@ def _sampler_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
     dense_lines(lines.add, cfg, "sampler", local, pw, run.t_new, "rollout", c, _HINT_PROMPTS)
     dense_lines(lines.add, cfg, "eval sampler", eval_local, pw, run.t_new, "eval", c,
                 _HINT_EVAL)
+
+
+def _fused_lines(run: _Run, weights: _Weights, lines: _Lines, gathered) -> None:
+  """The samplers' fused projections (rlx.model.transformer.fuse_projections): each layer's
+  q/k/v and gate/up matrices concatenated once per rollout and eval, in the dtype sampled
+  with; whole per device under the paged sampler (it reads the params replicated), split as
+  stored under the dense one. A group with an unmerged LoRA target is not fused. Where the
+  paged sampler all-gathers FSDP-split params, the gather writes those matrices into the
+  concatenation (XLA's compiled evaluation is within 10% of the plan without a separate
+  copy: tests/test_memory.py), so no line is added; a cast copy (bf16 sampling) is counted
+  as well, which may over-state the rollout by the fused matrices."""
+  paged = run.spec.sampler.impl == "paged"
+  if gathered and paged:
+    return
+  lc = run.spec.lora
+  unmerged = set(weights.targets) if lc is not None and not lc.merge_for_sampling else set()
+  splits = weights.base_splits or weights.splits
+  itemsize = jnp.dtype(weights.sample_dtype).itemsize
+  total, count = 0, 0
+  for key, (x, sp_) in splits.items():
+    layer, _, rest = key.partition("/")
+    for module, names in transformer.FUSED_GROUPS:
+      paths = [f"{layer}/{module}/{n}" for n in names]
+      if rest != f"{module}/{names[0]}" or any(p in unmerged for p in paths):
+        continue
+      if not all(p in splits and splits[p][0].ndim == 2 for p in paths):
+        continue
+      for p in paths:
+        leaf, split = splits[p]
+        total += math.prod(leaf.shape) * itemsize // (1 if paged else split)
+      count += 1
+  if not total:
+    return
+  for phase in ("rollout", "eval"):
+    lines.add(f"fused q/k/v, gate/up ({phase})", total,
+              f"{count} concatenated groups x {itemsize}B ({weights.sample_dtype}), once per "
+              f"call{', whole per device (paged)' if paged else ', split as stored'}", phase,
+              _HINT_FSDP)
 
 
 def _merged_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:

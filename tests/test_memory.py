@@ -1,5 +1,6 @@
 """rlx.memory: the plan's exact lines against real arrays on real (fake CPU) meshes."""
 
+import math
 import importlib.util
 import os
 
@@ -386,23 +387,40 @@ def test_a_lora_update_with_kl_compiles_to_what_the_plan_says():
 # ----------------------------------------------------------------------------- evaluation
 
 
+def _layer0_matrices(cfg):
+  _, abstract = transformer.abstract_params(cfg)
+  layer = abstract["layer_0"]
+  return {**layer["attn"], **layer["mlp"]}
+
+
 def test_eval_phase_models_the_run_sampler():
   """The Evaluator decodes with config.sampler.impl: paged (group_size=1, its own pool per
   batch shard, params all-gathered under FSDP) or dense; LoRA's merged copy is live in both."""
   cfg = _model(_config())
   paged_plan = memory.plan(_config(**{"sampler.impl": "paged"}), cfg, {"data": 2, "fsdp": 2})
   eval_names = {it.name for it in paged_plan.items if it.phase == "eval"}
+  # All-gathered params: the gather writes q/k/v and gate/up into their concatenation.
   assert eval_names == {"eval sampler KV pool (paged)", "eval sampler params (all-gathered)",
                         "eval sampler temporaries (paged)"}
+  # Replicated params: the paged sampler's fused copy of q/k/v and gate/up, every layer, whole.
+  replicated = memory.plan(_config(**{"sampler.impl": "paged"}), cfg, {"data": 2})
+  per_layer = sum(math.prod(leaf.shape) for name, leaf in _layer0_matrices(cfg).items()
+                  if name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+  assert replicated.item("fused q/k/v, gate/up (eval)").bytes == per_layer * cfg.num_layers * 4
   assert (paged_plan.item("eval sampler params (all-gathered)").bytes
           == paged_plan.item("sampler params (all-gathered)").bytes)
   # eval_batch_size=256 over 4 batch shards: 64 prompts per shard, one slot each, no sharing.
   assert "(64 seqs, group 1, 64 slots)" in paged_plan.item("eval sampler KV pool (paged)").formula
   dense_plan = memory.plan(_config(**{"sampler.impl": "dense"}), cfg, {"data": 2, "fsdp": 2})
   assert {it.name for it in dense_plan.items if it.phase == "eval"} == {
-      "eval sampler KV cache (dense)", "eval sampler temporaries (dense)"}
+      "eval sampler KV cache (dense)", "eval sampler temporaries (dense)",
+      "fused q/k/v, gate/up (eval)"}
   lora = memory.plan(_lora(**{"sampler.impl": "paged"}), cfg, {"data": 1, "fsdp": 2})
   assert lora.item("merged adapted weights (eval)").phase == "eval"
+  # Unmerged adapters on every projection: nothing is fused.
+  unmerged = memory.plan(_lora(**{"sampler.impl": "paged", "lora.merge_for_sampling": False}),
+                         cfg, {"data": 2})
+  assert not [it for it in unmerged.items if it.name.startswith("fused")]
   assert lora.item("eval sampler KV pool (paged)").bytes > 0
 
 
