@@ -121,9 +121,13 @@ class Checkpointer:
     # masters by default), so a run checkpointed computing in float32 (model.dtype="auto" on
     # CPU) resumes computing in bfloat16 on a GPU; the resume logs the changed model.dtype.
     saved = meta.get("model")
-    saved = {k: v for k, v in saved.items() if k != "dtype"} if isinstance(saved, dict) else saved
+    # Nor is scan_layers (how the layers run, not what they hold: the params are the same).
+    execution = ("dtype", "scan_layers")
+    saved = ({k: v for k, v in saved.items() if k not in execution} if isinstance(saved, dict)
+             else saved)
     ours = json.loads(json.dumps(model_cfg.to_dict()))  # tuples -> lists, as stored
-    ours.pop("dtype")
+    for k in execution:
+      ours.pop(k)
     if saved is not None and saved != ours:
       diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {ours.get(k)!r}"
                for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]

@@ -215,6 +215,10 @@ def defaults() -> mlc.ConfigDict:
   c.model.tie_embeddings = True
   c.model.dtype = "auto"  # compute: auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16
   c.model.param_dtype = "float32"  # master params and optimizer state
+  # Run the layers as one lax.scan over their stacked weights (compile time flat in depth;
+  # same numbers and the same params tree): the update, evaluation and the dense sampler;
+  # the paged sampler and models whose layers differ (Gemma's sliding/global) run unrolled.
+  c.model.scan_layers = False
 
   c.warm_start = mlc.ConfigDict()
   # A base model directory written by an earlier run (WORKDIR/base); empty: look in this

@@ -88,6 +88,7 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
     tokenizer = Tokenizer.load(os.path.join(chosen, "tokenizer.model"))
     model_cfg, params = hf.load_hf(chosen, dtype=spec.model.dtype, mesh=mesh,
                                    param_dtype=spec.model.param_dtype)
+  model_cfg = spec.model.run_as(model_cfg)
   graphdef = transformer.graphdef_for(model_cfg)
 
   if task.eval_levels:

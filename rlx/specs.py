@@ -23,7 +23,7 @@ from rlx.sampler.sampling import SamplingParams
 
 SAMPLER_IMPLS = ("dense", "paged")
 PIPELINE_MODES = ("sync", "overlap")
-_MODEL_KEYS_NOT_ARCH = ("path",)
+_MODEL_KEYS_NOT_ARCH = ("path", "scan_layers")  # scan_layers: execution (ModelSpec.scan)
 
 
 def _overlap(config) -> bool:
@@ -101,6 +101,7 @@ class ModelSpec:
   param_dtype: str  # master params (and so the optimizer state) are stored in this
   arch_items: tuple[tuple[str, Any], ...]  # config.model without `path`, in key order
   auto_dtype: bool = False  # dtype was "auto" in the config (chosen for the backend)
+  scan_layers: bool = False  # run the layers as one lax.scan (ModelConfig.scan_layers)
 
   @classmethod
   def from_config(cls, config, platform: str | None = None) -> ModelSpec:
@@ -112,8 +113,15 @@ class ModelSpec:
              f"(the master params' dtype; 'auto' is for config.model.dtype).")
     arch = tuple((k, dtype if k == "dtype" else tuple(v) if isinstance(v, list) else v)
                  for k, v in m.items() if k not in _MODEL_KEYS_NOT_ARCH)
+    chk.need(isinstance(m.scan_layers, bool),
+             f"config.model.scan_layers={m.scan_layers!r}; expected True or False.")
     return cls(path=m.path, dtype=dtype, param_dtype=m.param_dtype, arch_items=arch,
-               auto_dtype=m.dtype == "auto")
+               auto_dtype=m.dtype == "auto", scan_layers=m.scan_layers)
+
+  def run_as(self, cfg: ModelConfig) -> ModelConfig:
+    """An architecture (the tiny one or an HF checkpoint's) with this run's execution
+    choices that are not architecture (scan_layers)."""
+    return dataclasses.replace(cfg, scan_layers=self.scan_layers)
 
   @property
   def arch(self) -> dict[str, Any]:
@@ -124,7 +132,8 @@ class ModelSpec:
   def tiny(self, vocab_size: int) -> ModelConfig:
     """The architecture of config.model (HF checkpoints bring their own)."""
     try:
-      return ModelConfig.from_dict({**dict(self.arch_items), "vocab_size": vocab_size})
+      return ModelConfig.from_dict({**dict(self.arch_items), "vocab_size": vocab_size,
+                                    "scan_layers": self.scan_layers})
     except (ValueError, TypeError) as e:
       raise ConfigError(f"config.model: {e}") from None
 

@@ -212,8 +212,9 @@ def dry_run(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
   from rlx.model import hf  # pylint: disable=g-import-not-at-top
   spec, mesh = resolve(config, devices)
   if spec.model.path:
-    model_cfg = hf.config_from_hf(hf.read_config(spec.model.path), dtype=spec.model.dtype,
-                                  param_dtype=spec.model.param_dtype)
+    model_cfg = spec.model.run_as(hf.config_from_hf(
+        hf.read_config(spec.model.path), dtype=spec.model.dtype,
+        param_dtype=spec.model.param_dtype))
   else:
     tok_path = os.path.join(workdir, "tokenizer.model")
     vocab = (Tokenizer.load(tok_path).vocab_size if os.path.exists(tok_path)

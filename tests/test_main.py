@@ -93,6 +93,22 @@ def test_a_checkpoint_resumes_with_another_compute_dtype(trained, tmp_path):
   assert json.load(open(os.path.join(other, "config.json")))["model"]["dtype"] == "bfloat16"
 
 
+def test_resume_with_the_layers_scanned_continues_the_run(trained, tmp_path):
+  """model.scan_layers is how the layers run, not what they hold: a run checkpointed unrolled
+  resumes scanned from the same state and cached base, and goes on learning the same way
+  (the model tests compare the two numerically)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  workdir, _, _ = trained
+  other = str(tmp_path / "scan")
+  shutil.copytree(workdir, other)
+  logs = []
+  trainer.run(runlocal_config(total_steps=12, **{"model.scan_layers": True}), other,
+              log=logs.append, show_progress=False)
+  assert not any("supervised warm start" in l for l in logs), logs
+  lines = rlx.read_metrics(other)
+  assert sorted({l["step"] for l in lines})[-3:] == [10, 11, 12]
+
+
 def test_bf16_compute_keeps_f32_master_params_and_optimizer_state(trained, tmp_path):
   """The cached base loads in model.param_dtype, not in the compute dtype: under bf16 compute
   the params the update trains and their Adam moments are f32; only the sampler's copy is

@@ -84,6 +84,10 @@ class ModelConfig:
   max_position: int = 4096
   dtype: str = "float32"  # activation / matmul dtype
   param_dtype: str = "float32"
+  # Execution, not architecture (the params tree is the same either way): run the layers as
+  # one lax.scan over their stacked weights, so a program holds one layer, not num_layers
+  # copies (compile time flat in depth); see Transformer.hidden for where it applies.
+  scan_layers: bool = False
 
   def __post_init__(self):
     def need(cond, msg):
@@ -139,6 +143,12 @@ class ModelConfig:
 
   def is_sliding(self, layer: int) -> bool:
     return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+  @property
+  def layers_alike(self) -> bool:
+    """Every layer computes the same function of its own weights (one attention window and
+    one RoPE base for all), so the layers can run as one scanned body."""
+    return len(set(self.layer_types)) <= 1
 
   def window(self, layer: int) -> int | None:
     return self.sliding_window if self.is_sliding(layer) else None

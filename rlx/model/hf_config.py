@@ -439,7 +439,8 @@ def config_to_hf(cfg: ModelConfig, architecture: str | None = None,
     hf["rope_scaling"] = ({k: v for k, v in rope.items() if k != "rope_theta"}
                           if cfg.rope_scaling != "none" else None)
 
-  back = config_from_hf(hf, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  back = dataclasses.replace(config_from_hf(hf, dtype=cfg.dtype, param_dtype=cfg.param_dtype),
+                             scan_layers=cfg.scan_layers)  # execution, not in an HF config
   diff = _config_diff(_canonical(cfg), _canonical(back))
   if diff:
     raise ValueError(f"{architecture} cannot express this ModelConfig: fields {diff} would "

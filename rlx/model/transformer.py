@@ -344,8 +344,11 @@ class Attention(nnx.Module):
       y = y + getattr(self, f"{name}_bias")[...].astype(cfg.compute_dtype)
     return y.reshape(*x.shape[:2], heads, cfg.head_dim)
 
-  def __call__(self, x_BxTxD, pos_BxT, valid_BxT, ctx: KVContext | None):
+  def __call__(self, x_BxTxD, pos_BxT, valid_BxT, ctx: KVContext | None, layer=None):
+    """layer: this layer's index as the KV context sees it (default the static one; a
+    traced index when the layers run scanned, whose RoPE and window are then all alike)."""
     cfg = self.cfg
+    layer = self.layer if layer is None else layer
     qkv = self.q_proj[...]
     fused = (qkv.apply("btd,de->bte", x_BxTxD, cfg.compute_dtype)
              if isinstance(qkv, FusedProjection) else (None, None, None))
@@ -364,7 +367,7 @@ class Attention(nnx.Module):
       attend = keys_major_attention if uses_keys_major(k.shape[1]) else dot_attention
       out = attend(q, k, v, allowed, self.spec)
     else:
-      out, ctx = ctx.layer_attend(self.layer, q, k, v, pos_BxT, self.spec)
+      out, ctx = ctx.layer_attend(layer, q, k, v, pos_BxT, self.spec)
     b, t = x_BxTxD.shape[:2]
     out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
     return linear("bte,ed->btd", out, self.o_proj[...], cfg.compute_dtype), ctx
@@ -407,8 +410,8 @@ class Block(nnx.Module):
       self.post_mlp_norm = RMSNorm(cfg.d_model, cfg)
     self.cfg = cfg
 
-  def __call__(self, x, pos, valid, ctx):
-    h, ctx = self.attn(self.input_norm(x), pos, valid, ctx)
+  def __call__(self, x, pos, valid, ctx, layer=None):
+    h, ctx = self.attn(self.input_norm(x), pos, valid, ctx, layer)
     if self.cfg.post_attn_norm:
       h = self.post_attn_norm(h)
     x = x + h
@@ -426,6 +429,37 @@ def _remat_block(block: Block, x, pos, valid):
     out, _ = nnx.merge(graphdef, state)(x, pos, valid, None)
     return out
   return run(state, x)
+
+
+def _scanned_blocks(blocks: list[Block], x, pos, valid, ctx, remat: bool):
+  """The blocks as one lax.scan over their weights stacked on a leading layer axis: the
+  program holds one layer's body whatever the depth, so compile time stays flat (the
+  unrolled loop grows with it). The stacking is a copy of the layer weights made inside the
+  jitted call (and, in a backward pass, the gradient is sliced back per layer), so the
+  params tree, HF import/export, LoRA and checkpoints stay those of the unrolled model.
+  remat: the body runs under jax.checkpoint (training, ctx=None)."""
+  graphdef, _ = nnx.split(blocks[0])
+  stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *[nnx.split(b)[1] for b in blocks])
+
+  def body(carry, xs):
+    x, ctx = carry
+    state, layer = xs
+    x, ctx = nnx.merge(graphdef, state)(x, pos, valid, ctx, layer)
+    return (x, ctx), None
+
+  if remat:
+    body = jax.checkpoint(body)
+  (x, ctx), _ = jax.lax.scan(body, (x, ctx), (stacked, jnp.arange(len(blocks))))
+  return x, ctx
+
+
+def scans_layers(cfg: ModelConfig, ctx: "KVContext | None") -> bool:
+  """Whether Transformer.hidden runs its layers scanned: asked for (cfg.scan_layers), more
+  than one layer, all alike (ModelConfig.layers_alike), and a KV context (if any) that takes
+  a traced layer index (`scannable = True`: the dense cache; the paged sampler's pools are
+  per-layer tuples, so it runs unrolled)."""
+  return (cfg.scan_layers and cfg.num_layers > 1 and cfg.layers_alike
+          and (ctx is None or getattr(ctx, "scannable", False)))
 
 
 class Transformer(nnx.Module):
@@ -457,10 +491,15 @@ class Transformer(nnx.Module):
              remat: bool = False):
     """Final-norm hidden states [B, T, D]. remat (training, ctx=None): each layer's
     activations are recomputed in the backward pass instead of kept (jax.checkpoint), so the
-    backward holds one layer's activations at a time, for ~1/3 more compute."""
+    backward holds one layer's activations at a time, for ~1/3 more compute. The layers run
+    as one scan where `scans_layers` says so, else unrolled."""
     if valid_BxT is None:
       valid_BxT = jnp.ones(tokens_BxT.shape, bool)
     x = self.embed(tokens_BxT)
+    if scans_layers(self.cfg, ctx):
+      x, ctx = _scanned_blocks(self.layers(), x, pos_BxT, valid_BxT, ctx,
+                               remat=remat and ctx is None)
+      return self.final_norm(x), ctx
     for block in self.layers():
       if remat and ctx is None:
         x = _remat_block(block, x, pos_BxT, valid_BxT)

@@ -26,6 +26,8 @@ class DenseKVCache:
   key_pos: jax.Array  # i32[B, S]; -1 marks an empty slot
   write_index: jax.Array  # i32[] where the current forward's tokens go
 
+  scannable = True  # layer_attend takes a traced layer index (transformer.scans_layers)
+
   @classmethod
   def init(cls, cfg: ModelConfig, batch: int, length: int) -> "DenseKVCache":
     shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
