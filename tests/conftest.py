@@ -32,6 +32,8 @@ SLOW = (
     # Single tests that train a run, start a process or load a model through a subprocess.
     "tests/model/test_hf.py::test_load_onto_mesh",
     "tests/model/test_hf.py::test_load_memory_small",
+    "tests/model/test_scan_layers.py::test_scanned_logprob_gradients_equal_unrolled",
+    "tests/model/test_scan_layers.py::test_scanned_lora_unmerged_path_equals_unrolled",
     "tests/test_bench_peers.py::test_rlx_worker_takes_turns",
     "tests/test_bench_peers.py::test_dead_worker_is_one_clear_error",
     "tests/test_bench_peers.py::test_tunix_worker_takes_turns",
