@@ -439,7 +439,14 @@ def _scanned_blocks(blocks: list[Block], x, pos, valid, ctx, remat: bool):
   params tree, HF import/export, LoRA and checkpoints stay those of the unrolled model.
   remat: the body runs under jax.checkpoint (training, ctx=None)."""
   graphdef, _ = nnx.split(blocks[0])
-  stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *[nnx.split(b)[1] for b in blocks])
+  states = [nnx.split(b)[1] for b in blocks]
+  if len({jax.tree.structure(st) for st in states}) > 1:
+    # Layers that hold different trees (LoRA adapting some layers only, so only those keep
+    # an unmerged LoRAWeight or miss a fused projection) cannot share one body: unrolled.
+    for block in blocks:
+      x, ctx = (_remat_block(block, x, pos, valid), ctx) if remat else block(x, pos, valid, ctx)
+    return x, ctx
+  stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *states)
 
   def body(carry, xs):
     x, ctx = carry

@@ -42,9 +42,9 @@ def _pair(**kw):
 
 def _inputs(b=3, t=9, vocab=61):
   tokens = jax.random.randint(jax.random.key(7), (b, t), 0, vocab)
-  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-  valid = jnp.arange(t)[None] >= jnp.array([0, 2, 4])[:, None]  # left padding
-  return tokens, jnp.maximum(pos - jnp.array([0, 2, 4])[:, None], 0), valid
+  pad = (2 * jnp.arange(b) % 5)[:, None]  # left padding: 0, 2, 4, 1, ...
+  valid = jnp.arange(t)[None] >= pad
+  return tokens, jnp.maximum(jnp.arange(t)[None] - pad, 0), valid
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -77,6 +77,27 @@ def test_scanned_logprob_gradients_equal_unrolled(remat):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=2e-5, rtol=1e-4)
 
 
+def test_scanned_gradients_on_an_fsdp_and_tensor_mesh_equal_unrolled():
+  """Params split as training splits them (data x fsdp 2 x tensor 2): the scanned program
+  computes the unrolled model's gradients."""
+  from rlx import sharding as shd  # pylint: disable=g-import-not-at-top
+  _, unrolled, scanned, params = _pair(num_layers=2)
+  mesh = shd.make_mesh(data=-1, fsdp=2, tensor=2)
+  shardings = shd.param_shardings(params, mesh)
+  params = shd.put(params, shardings)
+  tokens, pos, valid = _inputs(b=4)
+
+  def grads(graphdef):
+    loss = lambda p: transformer.token_logprobs(graphdef, p, tokens, pos, valid,
+                                                remat=True).sum()
+    # As the update does: the gradient laid out like the params (train.make_step_fns).
+    return jax.jit(jax.grad(loss), out_shardings=shardings)(params)
+
+  ga, gb = grads(unrolled), grads(scanned)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=2e-5, rtol=1e-4)
+
+
 def test_scanned_lora_unmerged_path_equals_unrolled():
   _, unrolled, scanned, params = _pair()
   cfg = lora.LoRAConfig(rank=4, alpha=8.0)
@@ -93,6 +114,20 @@ def test_scanned_lora_unmerged_path_equals_unrolled():
   np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=2e-5, rtol=1e-4)
+
+
+def test_lora_on_some_layers_only_runs_unrolled_and_equal():
+  """A target regex that adapts layer 0 only leaves the layers' trees unalike: no shared
+  scan body, so they run unrolled (same numbers, no tree-structure error)."""
+  _, unrolled, scanned, params = _pair()
+  cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=(r"layer_0/attn/q_proj",))
+  adapters = jax.tree.map(lambda x: x + 0.05, lora.init_adapters(params, cfg, seed=1))
+  tokens, pos, valid = _inputs()
+  a = transformer.token_logprobs(unrolled, lora.attach(params, adapters, cfg), tokens, pos,
+                                 valid)
+  b = transformer.token_logprobs(scanned, lora.attach(params, adapters, cfg), tokens, pos,
+                                 valid)
+  np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_scanned_dense_sampler_draws_the_same_rollouts():
