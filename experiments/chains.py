@@ -6,9 +6,10 @@ the completion names each operator and writes the digit it gives ("7kQf=" -> "k3
 the reward is exact match on the whole chain. The warm-start teacher is wrong on a sixth of
 the operators 60% of the time, on another sixth 85% and on another 97% (half are never wrong),
 so the base model solves chains of reliable operators, is uncertain where a 0.6 operator
-appears and hopeless where a 0.97 one does: most groups are zero-variance, and the band moves
-from one operator class to the next as RL fixes them. Held-out greedy accuracy on chains with
-an unreliable operator (levels 2-4) is the headline.
+appears and hopeless where a 0.97 one does: most groups are zero-variance, and the band is
+meant to move from one operator class to the next as RL fixes them (measured: before the
+target it stays on the 0.6 class in 6 of 8 seeds; it moves later). Held-out greedy accuracy
+on chains with an unreliable operator (levels 2-4) is the headline.
 
   python -m rlx.main --config=experiments/chains.py --workdir=/tmp/rlx_chains
   python -m rlx.main --config=experiments/chains.py:runlocal --workdir=/tmp/rlx_chains_local
@@ -30,16 +31,19 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
 
   c.task.name = "op_chains"
   c.task.levels = (1, 2, 3, 4)  # 1 + the class of the chain's least reliable operator
-  # A pool of 1,000 chains (250 drawn per level, mixed below): the tuned GRPO baseline sees it
-  # ~2.3 times before its target and ~6 times in 400 steps, so selection that learns from a
-  # prompt's own past visits (SRPO history, GRESO skip) has history to use. (The first pilot's
-  # 4,000-chain pool was visited ~0.6 times before the target: history levers had none.)
-  c.task.num_train_per_level = 100 if runlocal else 250
+  # A pool of 2,000 chains (500 drawn per level, mixed below): the tuned GRPO baseline sees
+  # it ~1 time before its target (135 steps x 16) and ~4 times in 500 steps, so selection that
+  # learns from a prompt's own past visits (SRPO history, GRESO skip) has history to use.
+  # (The first pilot's 4,000-chain pool was visited ~0.6 times before the target; the 1,000
+  # one of the lever grid, with half filler, left the oracle only 2.5x of room:
+  # experiments/results/efficiency_chains.md.)
+  c.task.num_train_per_level = 100 if runlocal else 500
   c.task.num_eval_per_level = 16 if runlocal else 128
   c.task.rl_levels = (1, 2, 3, 4)  # level 0: the warm start's own chains, not in the pool
-  # The RL pool: half filler chains of reliable operators, as a real data set is mostly
-  # problems the model already solves.
-  c.task.rl_level_weights = {"1": 0.5, "2": 1 / 6, "3": 1 / 6, "4": 1 / 6}
+  # The RL pool: three quarters filler chains of reliable operators, as a real data set is
+  # mostly problems the model already solves; ~90% of groups carry no signal, and an oracle
+  # selector needs 3.5x fewer tokens than tuned GRPO (8 seeds, 90% CI 2.7-4.9).
+  c.task.rl_level_weights = {"1": 0.75, "2": 1 / 12, "3": 1 / 12, "4": 1 / 12}
   c.task.band = (2, 3, 4)
   c.tokenizer.vocab_size = 80
 
