@@ -500,8 +500,8 @@ def _scan_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
   holds one; the gradient pass holds the stack for the backward and the stacked gradient
   before it is sliced back per layer; XLA's compiled update measured 2.4-3.2x the layer
   weights above the unrolled one (tests/test_memory.py), planned as 3x (under LoRA: the
-  frozen base stacked twice, the adapters' gradients are small). The dense sampler stacks
-  its (fused) matrices once per call; the paged sampler runs unrolled."""
+  frozen base stacked twice, the adapters' gradients are small). Either sampler stacks its
+  (fused) matrices once per call."""
   if not transformer.scans_layers(run.cfg, None):
     return
   splits = weights.base_splits or weights.splits
@@ -512,9 +512,8 @@ def _scan_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:
   copies = 2 if run.spec.lora is not None else 3
   lines.add("scanned layers' stacked weights + gradient", copies * layer,
             f"{copies} x {what}", "grad", _HINT_FSDP)
-  if run.spec.sampler.impl == "dense":
-    for phase in ("rollout", "eval"):
-      lines.add(f"scanned layers' stacked weights ({phase})", layer, what, phase, _HINT_FSDP)
+  for phase in ("rollout", "eval"):
+    lines.add(f"scanned layers' stacked weights ({phase})", layer, what, phase, _HINT_FSDP)
 
 
 def _merged_lines(run: _Run, weights: _Weights, lines: _Lines) -> None:

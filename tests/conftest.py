@@ -35,6 +35,7 @@ SLOW = (
     "tests/model/test_scan_layers.py::test_scanned_logprob_gradients_equal_unrolled",
     "tests/model/test_scan_layers.py::test_scanned_lora_unmerged_path_equals_unrolled",
     "tests/model/test_scan_layers.py::test_scanned_gradients_on_an_fsdp_and_tensor_mesh_equal_unrolled",
+    "tests/model/test_scan_layers.py::test_scanned_paged_sampler_draws_the_same_rollouts",
     "tests/test_bench_peers.py::test_rlx_worker_takes_turns",
     "tests/test_bench_peers.py::test_dead_worker_is_one_clear_error",
     "tests/test_bench_peers.py::test_tunix_worker_takes_turns",

@@ -3,9 +3,8 @@ r"""Compile time of the training step against depth, layers unrolled vs scanned 
 For each depth and each `model.scan_layers`, builds the trainer's jitted halves on a config
 (no warm start: the time is XLA's, not the weights') and times lowering + compiling the
 rollout and the update, side by side in one process; prints each time, the deep / shallow
-ratio per mode and the optimized HLO's size. The sampler is the config's (`--sampler=dense`
-scans it too; the paged sampler runs its layers unrolled either way, see
-rlx.model.transformer.scans_layers).
+ratio per mode and the optimized HLO's size, for each `--sampler` (both samplers scan their
+layers when asked, rlx.model.transformer.scans_layers).
 
   python experiments/benchmarks/compile_depth.py --config=experiments/reasoning.py \
       --depths=4,24 --sampler=paged,dense

@@ -463,8 +463,8 @@ def _scanned_blocks(blocks: list[Block], x, pos, valid, ctx, remat: bool):
 def scans_layers(cfg: ModelConfig, ctx: "KVContext | None") -> bool:
   """Whether Transformer.hidden runs its layers scanned: asked for (cfg.scan_layers), more
   than one layer, all alike (ModelConfig.layers_alike), and a KV context (if any) that takes
-  a traced layer index (`scannable = True`: the dense cache; the paged sampler's pools are
-  per-layer tuples, so it runs unrolled)."""
+  a traced layer index (`scannable = True`: the dense cache and the paged sampler's
+  contexts, whose pool keeps every layer's pages on one page axis)."""
   return (cfg.scan_layers and cfg.num_layers > 1 and cfg.layers_alike
           and (ctx is None or getattr(ctx, "scannable", False)))
 

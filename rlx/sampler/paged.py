@@ -61,7 +61,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from rlx import sharding as shd
 from rlx.model import transformer
 from rlx.sampler import allocator as alloc_lib
-from rlx.sampler.paged_kv import Attention, DecodeContext, Groups, PrefillContext
+from rlx.sampler.paged_kv import Attention, DecodeContext, Groups, PrefillContext, layer_pages
 from rlx.sampler.sampling import (Rollout, SamplingParams, is_stop, prompt_positions,
                                   sample_tokens)
 
@@ -260,13 +260,15 @@ class SamplerStats:
 class PagedState:
   """Everything the decode loop carries (one shard): KV pool, allocator, slots, outputs.
 
-  The pool is one [Hkv, N, P, D] array per layer (the [L, Hkv, N, P, D] pool as a tuple):
-  each layer's pool is then a whole buffer that the kernels read and the scatters update in
-  place, with no per-layer slice copied out of a stacked array on every step.
+  The pool is one [Hkv, L * N, P, D] array: every layer's N pages on the page axis (layer
+  l's page i at l * N + i; rlx.sampler.paged_kv.layer_pages). A layer is then an offset
+  into one whole buffer that the kernels read and the scatters update in place -- nothing
+  is sliced out per layer and step, and a traced layer index works, so the layers can run
+  as one scan (model.scan_layers). Page tables and the allocator hold layer-local ids.
   """
 
-  k: tuple  # per layer [Hkv, N, P, D]; page 0 stays zero
-  v: tuple
+  k: jax.Array  # [Hkv, L * N, P, D]; each layer's page 0 stays zero
+  v: jax.Array
   alloc: alloc_lib.PageAllocator
   page_table: jax.Array  # i32[S, pages_per_seq]
   num_pages_row: jax.Array  # i32[S] page-table entries in use
@@ -289,11 +291,11 @@ class PagedState:
   @classmethod
   def init(cls, cfg, lay: _Layout, sp: SamplingParams) -> "PagedState":
     s, b = lay.slots, lay.num_seqs
-    pool_shape = (cfg.num_kv_heads, lay.num_pages, lay.page_size, cfg.head_dim)
+    pool_shape = (cfg.num_kv_heads, cfg.num_layers * lay.num_pages, lay.page_size,
+                  cfg.head_dim)
     zeros_i = functools.partial(jnp.zeros, dtype=jnp.int32)
     return cls(
-        k=tuple(jnp.zeros(pool_shape, cfg.compute_dtype) for _ in range(cfg.num_layers)),
-        v=tuple(jnp.zeros(pool_shape, cfg.compute_dtype) for _ in range(cfg.num_layers)),
+        k=jnp.zeros(pool_shape, cfg.compute_dtype), v=jnp.zeros(pool_shape, cfg.compute_dtype),
         alloc=alloc_lib.PageAllocator.init(lay.num_pages),
         page_table=zeros_i((s, lay.pages_per_seq)), num_pages_row=zeros_i((s,)),
         slot_seq=zeros_i((s,)), slot_t=zeros_i((s,)), active=jnp.zeros((s,), bool),
@@ -330,7 +332,8 @@ def _prefill(model, st: PagedState, inp: _Inputs, lay: _Layout, first_group, cou
     g = jnp.minimum(groups, lay.num_groups - 1)
     pos, valid = prompt_positions(inp.group_lens[g], lay.prompt_width)
     valid &= ok[:, None]
-    ctx = PrefillContext(k=st.k, v=st.v, pages_CxM=st.group_pages[g], valid_CxT=valid)
+    ctx = PrefillContext(k=st.k, v=st.v, pages_CxM=st.group_pages[g], valid_CxT=valid,
+                         per_layer=lay.num_pages)
     h, ctx = model.hidden(inp.group_prompts[g], pos, valid, ctx)
     hidden = st.group_hidden.at[jnp.where(ok, groups, lay.num_groups)].set(
         h[:, -1].astype(st.group_hidden.dtype), mode="drop")
@@ -380,8 +383,13 @@ def _admit(model, st: PagedState, inp: _Inputs, lay: _Layout) -> PagedState:
                             axis=1)[:, 0]
   dst = jnp.where(copy, copies[:, 0], n)
 
-  def copy_page(pool):
-    return tuple(x.at[:, dst].set(x[:, src], mode="drop") for x in pool)
+  layers = st.k.shape[1] // n
+  src_all = jnp.concatenate([layer_pages(src, l, n) for l in range(layers)])
+  dst_all = jnp.concatenate([jnp.where(dst < n, layer_pages(dst, l, n), layers * n)
+                             for l in range(layers)])
+
+  def copy_page(pool):  # the same page copy in every layer
+    return pool.at[:, dst_all].set(pool[:, src_all], mode="drop")
 
   k, v = copy_page(st.k), copy_page(st.v)
   cols_prompt = jnp.arange(lay.prompt_pages)[None, :]
@@ -444,7 +452,7 @@ def _decode(model, st: PagedState, inp: _Inputs, lay: _Layout, sp: SamplingParam
       groups=(Groups(group_S=g, child_S=seq % lay.group, full_S=inp.group_lens[g] // p,
                       pages=st.group_pages, size=lay.group)
               if attention.cascade and lay.group > 1 else None),
-      attention=attention)
+      attention=attention, per_layer=n)
   h, ctx = model.hidden(st.cur_tok[:, None], pos[:, None], writing[:, None], ctx)
   h = jnp.where(st.fresh[:, None, None], st.group_hidden[g][:, None].astype(h.dtype), h)
   logits = model.logits(h)[:, 0]

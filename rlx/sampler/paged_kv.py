@@ -110,33 +110,46 @@ class Attention:
     return jax.lax.switch(index, [functools.partial(attend, w) for w in widths])
 
 
-def _replace_layer(pool: tuple, layer: int, x) -> tuple:
-  return pool[:layer] + (x,) + pool[layer + 1:]
+def layer_pages(pages, layer, per_layer: int):
+  """A layer's view of page ids: the pool holds every layer's pages on its page axis
+  ([Hkv, L * N, P, D]; layer l's page i is l * N + i), so a layer index -- a Python int
+  when the layers run unrolled, a traced one inside transformer's layer scan -- is an
+  offset, and the kernels read the one pool buffer at it with nothing sliced out."""
+  return pages + layer * per_layer
+
+
+def _write_pages(pages, layer, per_layer: int, pool):
+  """Pages to write for this layer; local id per_layer (or any id >= it) means "do not
+  write" and maps past the whole pool, so the scatter drops it."""
+  return jnp.where(pages < per_layer, layer_pages(pages, layer, per_layer), pool.shape[1])
 
 
 @struct.dataclass
 class PrefillContext:
   """Dense causal attention over a chunk of prompts; writes their K/V into pages."""
 
-  k: tuple  # per layer [Hkv, N, P, D]
-  v: tuple
-  pages_CxM: jax.Array  # i32 prompt pages of each prompt
+  k: jax.Array  # [Hkv, L * N, P, D]: layer l's page i at l * N + i
+  v: jax.Array
+  pages_CxM: jax.Array  # i32 prompt pages of each prompt (layer-local ids)
   valid_CxT: jax.Array  # bool: real (not padding) prompt token
+  per_layer: int = struct.field(pytree_node=False)  # N, pages of one layer
+
+  scannable = True  # layer_attend takes a traced layer index (transformer.scans_layers)
 
   def layer_attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_pos_BxT, spec):
     k_pos = jnp.where(self.valid_CxT, q_pos_BxT, -1)
     allowed = transformer.attention_mask(q_pos_BxT, k_pos, spec.window)
     out = transformer.dot_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, allowed, spec)
-    num_pages, page_size = self.k[layer].shape[1:3]
+    page_size = self.k.shape[2]
     page = jnp.take_along_axis(self.pages_CxM, q_pos_BxT // page_size, axis=1)
-    page = jnp.where(self.valid_CxT, page, num_pages)  # out of range: dropped
+    page = _write_pages(jnp.where(self.valid_CxT, page, self.per_layer), layer,
+                        self.per_layer, self.k)
     slot = q_pos_BxT % page_size
-    k_pool = self.k[layer].at[:, page, slot].set(
-        k_BxTxKxD.transpose(2, 0, 1, 3).astype(self.k[layer].dtype), mode="drop")
-    v_pool = self.v[layer].at[:, page, slot].set(
-        v_BxTxKxD.transpose(2, 0, 1, 3).astype(self.v[layer].dtype), mode="drop")
-    return out, self.replace(k=_replace_layer(self.k, layer, k_pool),
-                             v=_replace_layer(self.v, layer, v_pool))
+    k = self.k.at[:, page, slot].set(k_BxTxKxD.transpose(2, 0, 1, 3).astype(self.k.dtype),
+                                     mode="drop")
+    v = self.v.at[:, page, slot].set(v_BxTxKxD.transpose(2, 0, 1, 3).astype(self.v.dtype),
+                                     mode="drop")
+    return out, self.replace(k=k, v=v)
 
 
 @struct.dataclass
@@ -154,28 +167,33 @@ class Groups:
 class DecodeContext:
   """One token per slot: write its K/V into its page, attend over the slot's pages."""
 
-  k: tuple  # per layer [Hkv, N, P, D]
-  v: tuple
-  page_table_SxM: jax.Array  # i32
+  k: jax.Array  # [Hkv, L * N, P, D]: layer l's page i at l * N + i; each page 0 stays zero
+  v: jax.Array
+  page_table_SxM: jax.Array  # i32, layer-local page ids
   lengths_S: jax.Array  # i32 tokens attended, including the one written now (0: none)
-  write_page_S: jax.Array  # i32; N (out of range) = do not write
+  write_page_S: jax.Array  # i32 layer-local; N (out of range) = do not write
   write_slot_S: jax.Array  # i32
   max_pages: jax.Array  # i32[] >= every slot's pages in use (attention reads no further)
   groups: Groups | None
   attention: Attention = struct.field(pytree_node=False)
+  per_layer: int = struct.field(pytree_node=False)  # N, pages of one layer
+
+  scannable = True  # layer_attend takes a traced layer index (transformer.scans_layers)
 
   def layer_attend(self, layer, q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, q_pos_BxT, spec):
     del q_pos_BxT  # positions are implied by lengths
-    page, slot = self.write_page_S, self.write_slot_S
-    k_pool = self.k[layer].at[:, page, slot].set(
-        k_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.k[layer].dtype), mode="drop")
-    v_pool = self.v[layer].at[:, page, slot].set(
-        v_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.v[layer].dtype), mode="drop")
+    n = self.per_layer
+    page, slot = _write_pages(self.write_page_S, layer, n, self.k), self.write_slot_S
+    k = self.k.at[:, page, slot].set(k_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.k.dtype),
+                                     mode="drop")
+    v = self.v.at[:, page, slot].set(v_BxTxKxD[:, 0].swapaxes(0, 1).astype(self.v.dtype),
+                                     mode="drop")
+    table = layer_pages(self.page_table_SxM, layer, n)
     if self.groups is not None and spec.window is None:
-      out = self.attention.cascade_attend(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
-                                          self.page_table_SxM, self.groups, spec)
+      groups = self.groups.replace(pages=layer_pages(self.groups.pages, layer, n))
+      out = self.attention.cascade_attend(q_BxTxHxD[:, 0], k, v, self.lengths_S, table,
+                                          groups, spec)
     else:
-      out = self.attention(q_BxTxHxD[:, 0], k_pool, v_pool, self.lengths_S,
-                           self.page_table_SxM, self.max_pages, spec)
-    return out[:, None], self.replace(k=_replace_layer(self.k, layer, k_pool),
-                                      v=_replace_layer(self.v, layer, v_pool))
+      out = self.attention(q_BxTxHxD[:, 0], k, v, self.lengths_S, table, self.max_pages,
+                           spec)
+    return out[:, None], self.replace(k=k, v=v)

@@ -1,6 +1,6 @@
 """model.scan_layers: the layers as one lax.scan over their stacked weights compute what the
 unrolled layers compute (logits, log-prob gradients with and without remat, LoRA's unmerged
-path, the dense sampler's draws), and the program no longer grows with depth. The reference
+path, both samplers' draws), and the program no longer grows with depth. The reference
 is the unrolled model on the same params tree."""
 
 import dataclasses
@@ -14,7 +14,7 @@ import pytest
 from rlx import configs
 from rlx.model import lora, transformer
 from rlx.model.config import ModelConfig
-from rlx.sampler import dense, paged_kv
+from rlx.sampler import dense, paged, paged_kv
 from rlx.sampler.sampling import SamplingParams
 
 BASE = dict(vocab_size=61, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -143,7 +143,41 @@ def test_scanned_dense_sampler_draws_the_same_rollouts():
   np.testing.assert_allclose(np.asarray(b.logprobs), np.asarray(a.logprobs), atol=1e-5)
 
 
-def test_unalike_layers_and_the_paged_sampler_run_unrolled():
+@pytest.mark.parametrize("attention", ["reference", "cascade"])
+def test_scanned_paged_sampler_draws_the_same_rollouts(attention):
+  """The paged sampler's pool keeps every layer's pages on one page axis, so its prefill and
+  decode contexts take the scan's traced layer index: same tokens as the unrolled layers,
+  with continuous batching (3 slots for 8 sequences: admission, forks, page copies and
+  releases all run), through the reference attention and through the Pallas kernels
+  (interpreted) with cascade attention over the shared prompt pages."""
+  _, unrolled, scanned, params = _pair(qk_norm=True)
+  g = 2
+  prompts = jnp.repeat(jax.random.randint(jax.random.key(1), (4, 7), 4, 61), g, axis=0)
+  lens = jnp.repeat(jnp.array([7, 3, 6, 5]), g)
+  keys = jax.random.split(jax.random.key(2), 8)
+  sp = SamplingParams(max_new_tokens=9, eos_id=3)
+  pc = paged.PagedConfig(page_size=4, max_slots=3, slot_buckets=1, context_buckets=1,
+                         attention_impl="reference" if attention == "reference" else "interpret",
+                         cascade=attention == "cascade")
+  run = lambda gd: paged.generate(gd, params, prompts, lens, keys, sp, pc, group_size=g,
+                                  return_stats=True)
+  (a, sa), (b, sb) = run(unrolled), run(scanned)
+  np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(a.tokens))
+  np.testing.assert_array_equal(np.asarray(b.lengths), np.asarray(a.lengths))
+  np.testing.assert_allclose(np.asarray(b.logprobs), np.asarray(a.logprobs), atol=1e-5)
+  assert int(sb.pages_at_end) == 0 and int(sb.iterations) == int(sa.iterations)
+  if attention == "reference":
+    # ... the dense sampler's draws too (same keys, same per-token fold-in) ...
+    c = dense.generate(unrolled, params, prompts, lens, keys, params_cfg=sp)
+    np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(c.tokens))
+    # ... and the scan is there: the prefill's and the decode loop's layers are while loops
+    # over the stacked weights (more while loops than unrolled).
+    count = lambda gd: paged.generate.lower(gd, params, prompts, lens, keys, sp, pc,
+                                            group_size=g).as_text().count("stablehlo.while")
+    assert count(scanned) > count(unrolled)
+
+
+def test_unalike_layers_run_unrolled():
   # Gemma 3's sliding/global mix: each layer its own window and RoPE base.
   mixed = ModelConfig(**{**BASE, "layer_types": ("sliding", "global", "sliding"),
                          "sliding_window": 4, "rope_local_theta": 100.0, "scan_layers": True})
@@ -151,9 +185,8 @@ def test_unalike_layers_and_the_paged_sampler_run_unrolled():
   alike = dataclasses.replace(mixed, layer_types=(), sliding_window=None)
   assert transformer.scans_layers(alike, None)
   assert not transformer.scans_layers(dataclasses.replace(alike, num_layers=1), None)
-  # The paged sampler's pools are per-layer tuples indexed by a static layer.
-  assert not getattr(paged_kv.PrefillContext, "scannable", False)
-  assert not getattr(paged_kv.DecodeContext, "scannable", False)
+  # Both samplers' contexts take a traced layer index.
+  assert paged_kv.PrefillContext.scannable and paged_kv.DecodeContext.scannable
   cache = dense.DenseKVCache.init(alike, 1, 8)
   assert transformer.scans_layers(alike, cache)
   # The mixed model still runs (unrolled) and matches its unrolled self exactly.
