@@ -383,12 +383,13 @@ def _admit(model, st: PagedState, inp: _Inputs, lay: _Layout) -> PagedState:
                             axis=1)[:, 0]
   dst = jnp.where(copy, copies[:, 0], n)
 
-  layers = st.k.shape[1] // n
-  src_all = jnp.concatenate([layer_pages(src, l, n) for l in range(layers)])
-  dst_all = jnp.concatenate([jnp.where(dst < n, layer_pages(dst, l, n), layers * n)
-                             for l in range(layers)])
+  # The same page copy in every layer: one gather and one scatter over [L * S] page ids.
+  layers = jnp.arange(st.k.shape[1] // n)[:, None]
+  src_all = layer_pages(src[None], layers, n).reshape(-1)
+  dst_all = jnp.where(dst[None] < n, layer_pages(dst[None], layers, n),
+                      st.k.shape[1]).reshape(-1)
 
-  def copy_page(pool):  # the same page copy in every layer
+  def copy_page(pool):
     return pool.at[:, dst_all].set(pool[:, src_all], mode="drop")
 
   k, v = copy_page(st.k), copy_page(st.v)
