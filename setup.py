@@ -27,8 +27,9 @@ EXTRAS = {
     # nbclient + nbformat + ipykernel: tests/test_notebooks.py executes the colab/ notebooks.
     # pytest-xdist: the suite runs in two worker processes, one test file each at a time
     # (--dist loadfile keeps a file's module fixtures and compiled programs in one process).
+    # filelock: JAX's lock for the compilation cache the tests' subprocesses share (conftest).
     "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "tensorboard>=2.15",
-             "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+             "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29", "filelock>=3.12"],
     # Reference implementations for the Hugging Face parity tests. torch==2.13.0 is the CPU
     # wheel on the project's machines; a looser pin would pull a multi-GB CUDA build. peft
     # loads the LoRA adapters rlx.export --peft writes (tests/model/test_lora_export.py).

@@ -7,12 +7,35 @@ Two tiers: `python -m pytest -q -n 2 -m "not slow" tests` is the inner loop (a f
 2 cores); CI (.ci/run, the README's test command) runs everything, `slow` included.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# One persistent XLA compilation cache for the processes the tests start (`python -m
+# rlx.main`, CLIs, sweeps, notebooks): they compile the same small programs again and again
+# (a kill -9 test runs one config four times), and on 2 cores compiling is most of their time.
+# Threshold 0: these programs compile in under JAX's default 1 s, which cached nothing
+# (experiments/results/ci_timings.md). A max size turns on JAX's file lock, so two processes
+# never read an entry half written. The directory belongs to one pytest run (its controller
+# makes it, xdist workers and their subprocesses inherit it) and goes when that run ends; it is
+# world-writable because some tests run rlx as `nobody`. This process and the xdist workers
+# keep the cache off, so in-process tests compile exactly as they would for a user.
+# RLX_TESTS_XLA_CACHE=off (any value set beforehand) runs the subprocesses without a cache.
+_CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+               "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
+if "RLX_TESTS_XLA_CACHE" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="rlx_tests_xla_cache_")
+  os.chmod(_cache_dir, 0o777)
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ.update({"RLX_TESTS_XLA_CACHE": _cache_dir, "JAX_COMPILATION_CACHE_DIR": _cache_dir,
+                     **_CACHE_VARS})
+jax.config.update("jax_compilation_cache_dir", None)
 
 # The rule: a test is slow when it trains through rlx.main or trainer.run (in this process or
 # a subprocess), starts another Python process (a CLI, a sweep, a notebook, a pytest), or
@@ -77,6 +100,7 @@ SLOW = (
     "tests/test_run_safety.py::test_sigterm_during_a_reward_after_a_saved_step_exits_75",
     "tests/test_run_safety.py::test_a_reward_calling_os_exit_is_one_error_line_not_a_clean_exit",
     "tests/test_run_safety.py::test_sigterm_before_the_rl_loop_exits_75",
+    "tests/test_suite_setup.py::test_a_started_process_writes_to_and_reads_from_the_shared_cache",
     "tests/test_suite_timeout.py::test_a_hang_fails_one_test_and_the_others_run_under_xdist",
     "tests/test_sweep.py::test_print_only_prints_one_command_per_run",
     "tests/test_sweep.py::test_a_shipped_experiment_is_found_by_name_from_any_directory",

@@ -1,0 +1,44 @@
+"""The suite's own set-up (tests/conftest.py): the processes the tests start share one
+persistent XLA compilation cache, and the test processes themselves compile without it."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+
+def _cache_dir():
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR") != os.environ.get("RLX_TESTS_XLA_CACHE"):
+    pytest.skip("RLX_TESTS_XLA_CACHE was set before the run: no shared cache")
+  return os.environ["JAX_COMPILATION_CACHE_DIR"]
+
+
+def test_this_process_compiles_without_the_persistent_cache():
+  assert jax.config.jax_compilation_cache_dir is None
+  cache = _cache_dir()
+  assert os.path.isdir(cache) and os.stat(cache).st_mode & 0o777 == 0o777, cache
+  assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+
+
+def test_a_started_process_writes_to_and_reads_from_the_shared_cache():
+  cache = _cache_dir()
+  code = ("import jax, jax.numpy as jnp, time; t = time.perf_counter(); "
+          "jax.jit(lambda x: jnp.sin(x) * 41.5 + 7)(jnp.arange(5.0)).block_until_ready(); "
+          "print(jax.config.jax_compilation_cache_dir)")
+  before = set(os.listdir(cache))
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=True)
+  assert out.stdout.strip() == cache and not out.stderr.strip(), out.stderr
+  new = sorted(set(os.listdir(cache)) - before)
+  assert any(n.endswith("-cache") for n in new), f"nothing written to the cache: {new}"
+  # JAX's lock-guarded cache (a max size is set) stamps an entry's "-atime" file on each read.
+  stamps = lambda: {n: open(os.path.join(cache, n), "rb").read() for n in new
+                    if n.endswith("-atime")}
+  written = stamps()
+  again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+  assert not again.stderr.strip(), again.stderr
+  assert sorted(set(os.listdir(cache)) - before) == new  # nothing compiled anew
+  assert stamps() != written, "the second process did not read the entries the first wrote"
