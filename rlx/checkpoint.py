@@ -9,6 +9,8 @@ with a message instead of a shape error deep inside orbax.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import re
@@ -31,20 +33,62 @@ def _abstract(tree, shardings):
 
 # State fields added after checkpoints were first written, None unless a feature uses them:
 # a checkpoint without them restores as long as they are None in the target.
-_LATER_FIELDS = ("base",)
+_LATER_FIELDS = ("base", "length_guard")
 
 
-def _without_later_fields(target) -> dict | None:
-  """The target state as a dict of its fields without the later ones that are None; None
-  if it has no such field (nothing to retry)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  if not dataclasses.is_dataclass(target):
-    return None
-  fields = {f.name: getattr(target, f.name) for f in dataclasses.fields(target)}
-  dropped = [f for f in _LATER_FIELDS if f in fields and fields[f] is None]
-  if not dropped:
-    return None
-  return {k: v for k, v in fields.items() if k not in dropped}
+def _holds_later(obj) -> bool:
+  return (dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+          and any(f.name in _LATER_FIELDS for f in dataclasses.fields(obj)))
+
+
+def _later_none(obj) -> list[str]:
+  """Names of the later fields that are None in `obj` or in a state nested in it (an overlap
+  checkpoint's `learner`)."""
+  out = []
+  for f in dataclasses.fields(obj):
+    v = getattr(obj, f.name)
+    if f.name in _LATER_FIELDS and v is None:
+      out.append(f.name)
+    elif _holds_later(v):
+      out += _later_none(v)
+  return sorted(set(out))
+
+
+def _fields_without(obj, dropped) -> dict:
+  """`obj` as a dict of its fields (nested states too) without the None ones in `dropped`."""
+  out = {}
+  for f in dataclasses.fields(obj):
+    v = getattr(obj, f.name)
+    if f.name in dropped and v is None:
+      continue
+    out[f.name] = _fields_without(v, dropped) if _holds_later(v) else v
+  return out
+
+
+def _rebuild(obj, restored: dict):
+  """`restored` (from `_fields_without(obj, ...)`) as obj's types, dropped fields None."""
+  kw = {}
+  for f in dataclasses.fields(obj):
+    v = getattr(obj, f.name)
+    if f.name not in restored:
+      kw[f.name] = None
+    elif _holds_later(v):
+      kw[f.name] = _rebuild(v, restored[f.name])
+    else:
+      kw[f.name] = restored[f.name]
+  return type(obj)(**kw)
+
+
+def _without_later_fields(target) -> list[dict]:
+  """Restore targets for a checkpoint written before some state fields existed: the target as
+  dicts of its fields without some of the later ones that are None (each non-empty subset,
+  fewest dropped first: a checkpoint may predate one and hold another); [] if there is no
+  such field (nothing to retry)."""
+  if not dataclasses.is_dataclass(target) or isinstance(target, type):
+    return []
+  none = _later_none(target)
+  return [_fields_without(target, dropped)
+          for n in range(1, len(none) + 1) for dropped in itertools.combinations(none, n)]
 
 
 # tensorstore's write errors (raised by orbax as ValueError) end with the OS error's number.
@@ -141,15 +185,20 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
       except ValueError as e:
-        older = _without_later_fields(target)
-        if older is None or "tree structures do not match" not in str(e):
+        olders = _without_later_fields(target)
+        if not olders or "tree structures do not match" not in str(e):
           raise
         # A checkpoint written before a state field that is None here was added (e.g.
-        # TrainState.base, LoRA's frozen base): restore the fields it has.
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(older)))
-        out = {"state": type(target)(**out["state"], **{
-            f: None for f in _LATER_FIELDS if f not in out["state"]})}
+        # TrainState.base, LoRA's frozen base; length_guard): restore the fields it has.
+        for i, older in enumerate(olders):
+          try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(older)))
+            break
+          except ValueError as e2:
+            if i + 1 == len(olders) or "tree structures do not match" not in str(e2):
+              raise
+        out = {"state": _rebuild(target, out["state"])}
     except Exception as e:
       first = " ".join(str(e).split())[:200]
       raise CheckpointError(

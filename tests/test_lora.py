@@ -3,6 +3,7 @@ train (and hold optimizer state), the KL reference is the base with the adapters
 behaviour log-probs equal the trainer's, and LoRA checkpoints resume exactly and refuse a
 full-parameter config."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from rlx import checkpoint as ckpt_lib
 from rlx import configs
 from rlx import sharding as shd
-from rlx import train, trainer
+from rlx import pipeline, train, trainer
 from rlx.model import ModelConfig, init_params, lora, transformer
 from rlx.rl.loss import LossConfig
 from test_main import runlocal_config
@@ -199,16 +200,17 @@ def test_lora_checkpoint_resumes_exactly(tmp_path):
   assert jax.device_get(m)["loss/policy"] == hist[-1]["loss/policy"]
 
 
-def test_a_checkpoint_from_before_the_base_field_restores(tmp_path):
+@pytest.mark.parametrize("later", [("base", "length_guard"), ("length_guard",)])
+def test_a_checkpoint_from_before_the_base_field_restores(tmp_path, later):
   """Checkpoints written before TrainState.base existed (no such entry on disk) still
-  restore into today's state when it has no base (full-parameter runs)."""
+  restore into today's state when it has no base (full-parameter runs); so do those written
+  with `base` but before `length_guard` (2026-12-06)."""
   mesh = shd.make_mesh(1, 1, devices=jax.devices()[:1])
   g, params = init_params(CFG, 0)
   tx = train.make_optimizer(1e-2, 10)
   state = train.init_state(params, tx, 0, mesh)
-  old_layout = {f: getattr(state, f) for f in ("params", "opt_state", "rng", "step",
-                                                "policy_version", "ref_params", "selector",
-                                                "replay")}
+  old_layout = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if f.name not in later}
   ckpt = ckpt_lib.Checkpointer(str(tmp_path), async_save=False)
   ckpt.save(1, old_layout, {"model": CFG.to_dict()})
   ckpt.wait()
@@ -216,8 +218,23 @@ def test_a_checkpoint_from_before_the_base_field_restores(tmp_path):
   shardings = train.state_shardings(abstract, mesh)
   restored, _ = ckpt.restore(1, abstract, shardings, CFG)
   ckpt.close()
-  assert isinstance(restored, train.TrainState) and restored.base is None
+  assert isinstance(restored, train.TrainState)
+  assert restored.base is None and restored.length_guard is None
   for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(x, y)
+  # The same for an overlap checkpoint, whose state nests the learner's.
+  over = pipeline.OverlapState(learner=state, gen_rng=state.rng, in_flight=())
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "overlap"), async_save=False)
+  ckpt.save(1, {"learner": old_layout, "gen_rng": state.rng, "in_flight": ()},
+            {"model": CFG.to_dict()})
+  ckpt.wait()
+  abstract = jax.eval_shape(lambda: over)
+  restored, _ = ckpt.restore(1, abstract, pipeline.OverlapState(
+      learner=shardings, gen_rng=shardings.rng, in_flight=()), CFG)
+  ckpt.close()
+  assert isinstance(restored, pipeline.OverlapState)
+  assert isinstance(restored.learner, train.TrainState) and restored.learner.base is None
+  for x, y in zip(jax.tree.leaves(over), jax.tree.leaves(restored)):
     np.testing.assert_array_equal(x, y)
 
 
