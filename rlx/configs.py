@@ -340,6 +340,13 @@ def defaults() -> mlc.ConfigDict:
   # Steps over which the length weight ramps linearly from 0 to length_reward (0: full weight
   # from the first step), as Kimi k1.5 warms its length penalty up.
   c.length.length_warmup_steps = 0
+  # Per-level guard (rlx.rl.length.LengthGuard): over the first guard_steps RL steps the term
+  # is off and each difficulty level's sampled accuracy is measured; afterwards a level's term
+  # fades to off as its moving-average accuracy (decay guard_decay) falls guard_margin below
+  # that reference, so shortening never costs a level what it could do. 0: no guard.
+  c.length.guard_margin = 0.0
+  c.length.guard_steps = 10
+  c.length.guard_decay = 0.9
 
   c.sampler = mlc.ConfigDict()
   c.sampler.impl = "paged"  # paged (default) | dense (the reference oracle)

@@ -138,7 +138,7 @@ def _config_diff(saved: dict | None, ours: dict, prefix: str = "") -> list[str]:
 # Settings that change the saved state's tree or shapes (optimizer chain, replay ring, selector,
 # reference params, prompt pool): a checkpoint made with other values cannot be restored.
 _LAYOUT_KEYS = ("optim.", "replay.", "selection.", "rl.kl_coef", "task.", "sampler.max_",
-                "model.", "tokenizer.", "lora.")
+                "model.", "tokenizer.", "lora.", "length.guard_margin", "length.length_reward")
 
 
 def _lora_rank(record: dict | None) -> int:

@@ -40,6 +40,7 @@ class TrainState:
   base: Any = None
   selector: selection.SelectorState | None = None  # per-prompt pass-rate history
   replay: replay_lib.ReplayState | None = None  # ring of past rollouts
+  length_guard: length_lib.LengthGuard | None = None  # per-level guard of the length term
 
 
 @struct.dataclass

@@ -293,10 +293,16 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
     rewards = rewards + length_lib.overlong_penalty(
         batch.lengths, batch.truncated, cfg.sampling.max_new_tokens, cfg.length)
   length_adv = length_w = None
+  guard_stats = {}
   if cfg.length.length_reward > 0:
     length_w = length_lib.length_weight(cfg.length, state.step)
     term = length_w * length_lib.group_length_reward(
         batch.lengths, correct, g, valid, cfg.length.length_scale)
+    if state.length_guard is not None:  # per-level: off where a level lost accuracy
+      guard, row_m, guard_stats = length_lib.guard_update(
+          state.length_guard, cfg.length, state.step, batch.difficulty, correct, valid)
+      state = state.replace(length_guard=guard)
+      term = term * row_m
     if cfg.length.length_mode == "reward":
       rewards = rewards + term
     else:  # after normalisation: a push bounded by the weight (rlx.rl.length)
@@ -316,6 +322,7 @@ def score(state: TrainState, ro: Rollouts, rewards, *, cfg: StepConfig,
   stats["ledger/tokens_generated"] = lengths.sum()
   if length_w is not None:
     stats["length/weight"] = length_w
+  stats.update(guard_stats)
   if state.replay is not None:  # bounds the replayed rows' width (see `update_width`)
     stats["replay/ring_max_len"] = jnp.where(state.replay.valid, state.replay.lengths,
                                              0).max().astype(jnp.float32)
@@ -384,7 +391,9 @@ def state_shardings(abstract_state: TrainState, mesh: Mesh, rules=shd.DEFAULT_RU
           abstract_state.base, mesh, rules),
       selector=None if abstract_state.selector is None else jax.tree.map(
           lambda _: rep, abstract_state.selector),
-      replay=replay)
+      replay=replay,
+      length_guard=None if abstract_state.length_guard is None else jax.tree.map(
+          lambda _: rep, abstract_state.length_guard))
 
 
 def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
@@ -392,7 +401,7 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
                replay: replay_lib.ReplayConfig | None = None,
                prompt_width: int = 0, max_new_tokens: int = 0,
                lora: lora_lib.LoRAConfig | None = None,
-               selector_spread: bool = False,
+               selector_spread: bool = False, length_levels=None,
                rules=shd.DEFAULT_RULES) -> TrainState:
   """Places params on the mesh and builds the optimizer state with matching shardings.
 
@@ -404,6 +413,8 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
   prompt_groups: i32[num_prompts] difficulty bucket (0..K-1) of each prompt (None: one).
   selector_spread: the selector keeps each bucket's E[p(1-p)] (selection.bucket_score="spread").
   replay: the ring's config (None: no ring); prompt_width / max_new_tokens size its rows.
+  length_levels: the pool's difficulty values, for the length term's per-level guard
+  (rlx.rl.length.LengthGuard; None: no guard).
   """
   def make(params):
     base = None
@@ -420,7 +431,9 @@ def init_state(params, tx, seed: int, mesh: Mesh, *, with_ref: bool = False,
             1 if prompt_groups is None else int(np.max(prompt_groups)) + 1,
             spread=selector_spread),
         replay=None if replay is None else replay_lib.ReplayState.init(
-            replay.capacity, prompt_width, max_new_tokens))
+            replay.capacity, prompt_width, max_new_tokens),
+        length_guard=None if length_levels is None else length_lib.LengthGuard.init(
+            length_levels))
   abstract = jax.eval_shape(make, params)
   shardings = state_shardings(abstract, mesh, rules)
   params = shd.put(params, shardings.params if lora is None else shardings.base)

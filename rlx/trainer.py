@@ -175,7 +175,10 @@ def build(config: mlc.ConfigDict | configs.RunSpec, workdir: str, *,
                                                    return_inverse=True)[1],
                            replay=cfg.replay, prompt_width=exp.train_pool.max_prompt_len,
                            max_new_tokens=cfg.sampling.max_new_tokens, lora=cfg.lora,
-                           selector_spread=cfg.selection.bucket_score == "spread")
+                           selector_spread=cfg.selection.bucket_score == "spread",
+                           length_levels=np.unique(np.asarray(exp.train_pool.difficulty))
+                           if cfg.length.length_reward > 0 and cfg.length.guard_margin > 0
+                           else None)
   if cfg.lora is not None:
     n = lora_lib.num_params(state.params)
     log(f"[rlx] LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "

@@ -182,6 +182,12 @@ CASES = [
                                   "replay.num_samples": 8}, None, checkpoint.CheckpointError,
      r"made with other settings \(.*replay.enabled: checkpoint False, now True.*\).* pass a "
      r"new --workdir to start a new run"),
+    ("length_guard_on_resume", {"length.length_reward": 0.5, "length.guard_margin": 0.1},
+     None, checkpoint.CheckpointError,
+     r"made with other settings \(.*length.guard_margin: checkpoint 0.0, now 0.1.*\).* pass a "
+     r"new --workdir to start a new run"),
+    ("length_guard_margin_above_one", {"length.guard_margin": 2.0}, None, configs.ConfigError,
+     r"config.length: length guard_margin=2.0; expected an accuracy difference in \[0, 1\]"),
     # A LoRA rank above a matrix's smaller side adds only memory (100000: 7.4 GB, minutes
     # compiling): refused by the memory plan, before the state is built.
     ("lora_rank_above_the_matrix_sides", {"lora.rank": 100000}, None, configs.ConfigError,

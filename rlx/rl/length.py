@@ -49,13 +49,21 @@ How lengths are compared (`length_scale`):
       once a group's correct answers are all concise instead of squeezing out their last
       tokens. Same sign and ordering as "range"; the correct / wrong / no-correct-in-group
       rules above apply to both.
+
+A per-level guard (`guard_margin` > 0, `LengthGuard`): each difficulty level's sampled
+accuracy is measured at the start of RL, and the term fades to off at a level whose accuracy
+falls `guard_margin` below that, so that shortening is pushed only where it costs the
+level nothing (a length term strong enough to shorten otherwise moves levels the base has
+solved onto the concise style they answer worse in; experiments/results/reasoning_levels.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+from flax import struct
 
 from rlx.errors import ConfigError
 
@@ -74,6 +82,11 @@ class LengthConfig:
   length_mode: str = "advantage"  # where the length term enters: "advantage" | "reward"
   length_scale: str = "range"  # how lengths are compared: "range" (Kimi) | "relative"
   length_warmup_steps: int = 0  # the weight ramps 0 -> length_reward over these RL steps
+  # Per-level guard (`LengthGuard`): the term is off at a difficulty level whose sampled
+  # accuracy falls guard_margin below what it was over the first guard_steps (0: no guard).
+  guard_margin: float = 0.0
+  guard_steps: int = 10  # calibration steps: the term is off, each level's reference is measured
+  guard_decay: float = 0.9  # of the per-level accuracy's moving average after calibration
 
   def __post_init__(self):
     if self.length_mode not in LENGTH_MODES:
@@ -87,6 +100,13 @@ class LengthConfig:
     if not (isinstance(self.length_warmup_steps, int) and self.length_warmup_steps >= 0):
       raise ValueError(f"length length_warmup_steps={self.length_warmup_steps!r}; expected an "
                        "integer >= 0.")
+    if not 0 <= self.guard_margin <= 1:
+      raise ValueError(f"length guard_margin={self.guard_margin}; expected an accuracy "
+                       "difference in [0, 1] (0: no guard).")
+    if not (isinstance(self.guard_steps, int) and self.guard_steps >= 1):
+      raise ValueError(f"length guard_steps={self.guard_steps!r}; expected an integer >= 1.")
+    if not 0 <= self.guard_decay < 1:
+      raise ValueError(f"length guard_decay={self.guard_decay}; expected a value in [0, 1).")
     if self.overlong_buffer < 1:
       raise ValueError(f"length overlong_buffer={self.overlong_buffer}; expected >= 1.")
     if self.overlong_penalty < 0:
@@ -151,3 +171,72 @@ def centred_length_advantage(term_B, group_size: int, valid_B=None):
   mean = jnp.where(v, t, 0.0).sum(axis=1, keepdims=True) / jnp.maximum(
       v.sum(axis=1, keepdims=True), 1)
   return jnp.where(v, t - mean, 0.0).reshape(-1)
+
+
+@struct.dataclass
+class LengthGuard:
+  """Per-level state of the length guard (in TrainState; checkpointed with it).
+
+  Why (experiments/results/reasoning_levels.md): on column addition the warm start answers
+  levels it has solved much better in its verbose style than in its concise one (1-digit sums
+  99% vs 66% sampled), so a length term strong enough to shorten moves those levels onto the
+  style they fail in, and they collapse at the switch (5-digit sums 98% -> 5.5%) while the
+  band, where the concise style is the better one, gains. The guard makes the term a
+  constraint-respecting push: over the first `guard_steps` RL steps the term is off and each
+  difficulty level's sampled accuracy (the rollouts' task reward > 0) is averaged into its
+  reference; afterwards a moving average of that accuracy is kept, and a level's length term
+  is scaled by clip((avg - reference + margin) / margin, 0, 1): full while the level holds its
+  reference, fading to off once it is `guard_margin` below. Correctness alone then pulls the
+  level back (its mixed groups still carry the task advantage), and the term returns when it
+  has recovered. Levels are the task's `difficulty` values (any integers).
+  """
+
+  levels: jax.Array  # i32[K] the difficulty values, sorted
+  ref_sum: jax.Array  # f32[K] correct rows seen during calibration
+  ref_rows: jax.Array  # f32[K] rows seen during calibration
+  avg: jax.Array  # f32[K] moving average of the sampled accuracy after calibration
+
+  @classmethod
+  def init(cls, levels) -> LengthGuard:
+    lv = jnp.asarray(sorted({int(l) for l in levels}), jnp.int32)
+    z = jnp.zeros(lv.shape, jnp.float32)
+    return cls(levels=lv, ref_sum=z, ref_rows=z, avg=z)
+
+  def reference(self):
+    """f32[K] each level's calibration accuracy (0 for a level never seen in calibration)."""
+    return self.ref_sum / jnp.maximum(self.ref_rows, 1.0)
+
+
+def guard_update(guard: LengthGuard, cfg: LengthConfig, step, difficulty_B, correct_B,
+                 valid_B=None):
+  """One step of the guard: (new guard, f32[B] multiplier of each row's length term, stats).
+
+  At steps < guard_steps the multiplier is 0 and the rows are counted into the reference; at
+  guard_steps the moving average starts from the reference; after it, levels with rows this
+  step move their average by (1 - guard_decay) towards this step's accuracy (levels without
+  rows keep theirs). A level never seen in calibration has no reference and is not guarded.
+  """
+  k = guard.levels.shape[0]
+  idx = jnp.clip(jnp.searchsorted(guard.levels, difficulty_B), 0, k - 1)
+  known = jnp.take(guard.levels, idx) == difficulty_B
+  v = known if valid_B is None else known & valid_B
+  one_hot = (idx[:, None] == jnp.arange(k)[None, :]) & v[:, None]  # [B, K]
+  rows = one_hot.sum(axis=0).astype(jnp.float32)
+  hits = (one_hot & (correct_B > 0)[:, None]).sum(axis=0).astype(jnp.float32)
+  calibrating = step < cfg.guard_steps
+  ref_sum = guard.ref_sum + jnp.where(calibrating, hits, 0.0)
+  ref_rows = guard.ref_rows + jnp.where(calibrating, rows, 0.0)
+  ref = ref_sum / jnp.maximum(ref_rows, 1.0)
+  start = jnp.where(step == cfg.guard_steps, ref, guard.avg)
+  acc = hits / jnp.maximum(rows, 1.0)
+  moved = cfg.guard_decay * start + (1 - cfg.guard_decay) * acc
+  avg = jnp.where(calibrating, guard.avg, jnp.where(rows > 0, moved, start))
+  margin = max(cfg.guard_margin, 1e-6)  # a guard is only made with guard_margin > 0
+  level_m = jnp.clip((avg - ref + margin) / margin, 0.0, 1.0)
+  level_m = jnp.where(ref_rows > 0, level_m, 1.0)  # no reference: not guarded
+  level_m = jnp.where(calibrating, 0.0, level_m)
+  row_m = jnp.where(known, jnp.take(level_m, idx), jnp.where(calibrating, 0.0, 1.0))
+  new = guard.replace(ref_sum=ref_sum, ref_rows=ref_rows, avg=avg)
+  stats = {"length/guard_min": level_m.min(), "length/guard_mean": level_m.mean(),
+           "length/guard_levels_off": (level_m < 0.5).sum().astype(jnp.float32)}
+  return new, row_m, stats

@@ -30,13 +30,17 @@ def test_soft_overlong_punishment_by_hand():
     (dict(length_mode="before"), "length_mode='before'"),
     (dict(length_warmup_steps=-1), "length_warmup_steps=-1"),
     (dict(length_warmup_steps=2.5), "length_warmup_steps=2.5"),
+    (dict(guard_margin=2.0), "guard_margin=2.0"),
+    (dict(guard_margin=-0.1), "guard_margin=-0.1"),
+    (dict(guard_steps=0), "guard_steps=0"),
+    (dict(guard_decay=1.0), "guard_decay=1.0"),
 ])
 def test_bad_length_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LengthConfig(**kwargs)
 
 
-def _score(length_cfg, step=0):
+def _score(length_cfg, step=0, length_guard=None):
   """Scores one hand-made group of 4: two correct, one of them cut at max length."""
   cfg = train.StepConfig(prompts_per_step=1, group_size=4, advantage="grpo", num_updates=1,
                          num_minibatches=1, loss=LossConfig(),
@@ -56,9 +60,9 @@ def _score(length_cfg, step=0):
       prompt_ids=jnp.zeros((b,), jnp.int32), difficulty=jnp.ones((b,), jnp.int32),
       policy_version=jnp.zeros((b,), jnp.int32))
   correct = jnp.array([1.0, 1.0, 1.0, 0.0])
-  state = state.replace(step=jnp.asarray(step, jnp.int32))
-  _, scored = train.score(state, train.Rollouts(batch, {}), correct, cfg=cfg)
-  return scored.batch
+  state = state.replace(step=jnp.asarray(step, jnp.int32), length_guard=length_guard)
+  state, scored = train.score(state, train.Rollouts(batch, {}), correct, cfg=cfg)
+  return scored.batch if length_guard is None else (scored.batch, state.length_guard)
 
 
 def _grpo(r):
@@ -179,3 +183,74 @@ def test_length_warmup_reaches_the_advantages_through_score():
   term = 0.4 * np.array([0.6, -0.4, -0.6, 0.0])
   np.testing.assert_allclose(full.advantages, _grpo([1, 1, 1, 0]) + term - term.mean(),
                              rtol=1e-5, atol=1e-6)
+
+
+def _guard_reference(levels, margin, steps, decay, history):
+  """The length guard in plain numpy, one step at a time: (row multipliers per step, avg)."""
+  levels = sorted(set(levels))
+  ref_sum = dict.fromkeys(levels, 0.0)
+  ref_rows = dict.fromkeys(levels, 0.0)
+  avg = dict.fromkeys(levels, 0.0)
+  out = []
+  for step, (diff, correct) in enumerate(history):
+    rows = {l: sum(1 for d in diff if d == l) for l in levels}
+    hits = {l: sum(1 for d, c in zip(diff, correct) if d == l and c > 0) for l in levels}
+    if step < steps:
+      for l in levels:
+        ref_sum[l] += hits[l]
+        ref_rows[l] += rows[l]
+      out.append([0.0] * len(diff))
+      continue
+    ref = {l: ref_sum[l] / max(ref_rows[l], 1) for l in levels}
+    for l in levels:
+      start = ref[l] if step == steps else avg[l]
+      avg[l] = decay * start + (1 - decay) * hits[l] / rows[l] if rows[l] else start
+    m = {l: (min(max((avg[l] - ref[l] + margin) / margin, 0.0), 1.0) if ref_rows[l] else 1.0)
+         for l in levels}
+    out.append([m.get(d, 1.0) for d in diff])
+  return out, avg
+
+
+def test_length_guard_equals_a_numpy_reference():
+  from rlx.rl.length import LengthGuard, guard_update
+  rng = np.random.default_rng(0)
+  cfg = LengthConfig(length_reward=0.5, guard_margin=0.2, guard_steps=3, guard_decay=0.7)
+  levels = [1, 2, 5, 9]  # 9 never appears in calibration: never guarded
+  # Level 5 is solved during calibration and then fails: its term must fade and go off.
+  history = []
+  for step in range(12):
+    diff = rng.choice([1, 2, 5] if step < 3 else [1, 2, 5, 9], size=8)
+    p = {1: 0.9, 2: 0.5, 5: 1.0 if step < 3 else 0.3, 9: 0.5}
+    history.append((diff.tolist(), [float(rng.random() < p[d]) for d in diff]))
+  want, want_avg = _guard_reference(levels, 0.2, 3, 0.7, history)
+  guard = LengthGuard.init(levels)
+  for step, (diff, correct) in enumerate(history):
+    guard, m, _ = guard_update(guard, cfg, jnp.int32(step), jnp.array(diff, jnp.int32),
+                               jnp.array(correct))
+    np.testing.assert_allclose(m, want[step], rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+  np.testing.assert_allclose(guard.avg, [want_avg[l] for l in levels], rtol=1e-5, atol=1e-6)
+  assert want[-1][history[-1][0].index(5)] == 0.0  # the failing level ends with no term
+
+
+def test_length_guard_turns_the_term_off_through_score_where_a_level_lost_accuracy():
+  from rlx.rl.length import LengthGuard
+  cfg = LengthConfig(length_reward=0.4, guard_margin=0.25, guard_steps=2)
+  term = 0.4 * (0.5 - (np.array([2, 7, 8, 3]) - 2) / 6)
+  term = np.where([1, 1, 1, 0], term, np.minimum(term, 0))
+  plain = _grpo([1, 1, 1, 0])
+
+  def scored(guard, step):
+    return _score(cfg, step=step, length_guard=guard)
+
+  # Calibrating (step < guard_steps): no length term, the level's rows are counted.
+  batch, guard = scored(LengthGuard.init([1]), 0)
+  np.testing.assert_allclose(batch.advantages, plain, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose([guard.ref_sum[0], guard.ref_rows[0]], [3, 4])
+  # The level at its reference (3 of 4): the full term.
+  batch, guard = scored(guard.replace(ref_sum=jnp.array([3.0]), ref_rows=jnp.array([4.0])), 2)
+  np.testing.assert_allclose(guard.avg, [0.75], rtol=1e-6)
+  np.testing.assert_allclose(batch.advantages, plain + term - term.mean(), rtol=1e-5,
+                             atol=1e-6)
+  # The level a full margin under its reference (1.0 measured, 0.75 now): no term.
+  batch, _ = scored(guard.replace(ref_sum=jnp.array([4.0]), avg=jnp.array([0.75])), 5)
+  np.testing.assert_allclose(batch.advantages, plain, rtol=1e-5, atol=1e-6)
