@@ -20,7 +20,7 @@ import ml_collections as mlc
 import numpy as np
 
 from rlx import checkpoint as ckpt_lib
-from rlx import configs, evaluate, experiment, memory, metrics as metrics_lib
+from rlx import configs, evaluate, experiment, memory, memory_overlap, metrics as metrics_lib
 from rlx import pipeline, resume, reward_worker, step_modes, tensorboard, train
 from rlx import sharding as shd
 from rlx.data import registry
@@ -198,7 +198,8 @@ def _plans(spec: configs.RunSpec, model_cfg, mesh, gen_mesh, **kw):
   """[(label, MemoryPlan)]: the run's mesh, or (overlap) each sub-mesh."""
   if gen_mesh is None:
     return [("", memory.plan(spec, model_cfg, dict(mesh.shape), **kw))]
-  gen, learn = memory.plan_overlap(spec, model_cfg, dict(gen_mesh.shape), dict(mesh.shape), **kw)
+  gen, learn = memory_overlap.plan_overlap(spec, model_cfg, dict(gen_mesh.shape),
+                                           dict(mesh.shape), **kw)
   return [(f" (generator sub-mesh {dict(gen_mesh.shape)})", gen),
           (f" (learner sub-mesh {dict(mesh.shape)})", learn)]
 

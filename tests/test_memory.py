@@ -11,6 +11,7 @@ import pytest
 
 from rlx import configs
 from rlx import memory
+from rlx import memory_overlap
 from rlx import sharding as shd
 from rlx import train
 from rlx.model import hf
@@ -513,7 +514,7 @@ def test_bf16_compute_plans_the_samplers_weight_copy():
   f32 = _config()
   assert not [it for it in memory.plan(f32, _model(f32), {"fsdp": 2}).items
               if it.name.startswith("sampling weights")]
-  gen, _ = memory.plan_overlap(config, cfg, {"data": 2}, {"fsdp": 2})
+  gen, _ = memory_overlap.plan_overlap(config, cfg, {"data": 2}, {"fsdp": 2})
   assert gen.item("policy copy (params)").bytes == sum(
       x.nbytes for x in jax.tree.leaves(train.sampling_copy(params, "bfloat16")))
   assert not [it for it in gen.items if it.name.startswith("sampling weights")]

@@ -272,7 +272,7 @@ def test_trainer_overlap_crash_then_resume_equals_uninterrupted(tmp_path, monkey
 
 
 def test_dry_run_plans_each_sub_mesh():
-  from rlx import memory, trainer  # pylint: disable=g-import-not-at-top
+  from rlx import memory, memory_overlap, trainer  # pylint: disable=g-import-not-at-top
   from test_main import runlocal_config  # pylint: disable=g-import-not-at-top
   cfg = runlocal_config(**{"pipeline.mode": "overlap", "pipeline.generator_devices": 2,
                            "pipeline.max_staleness": 2, "mesh.data": 3, "mesh.fsdp": 2,
@@ -283,8 +283,8 @@ def test_dry_run_plans_each_sub_mesh():
   spec, learn_mesh = trainer.resolve(cfg)
   gen_mesh = pipeline.make_meshes(spec)[0]
   model_cfg = spec.model.tiny(spec.tokenizer.vocab_size)
-  gen, learn = memory.plan_overlap(spec, model_cfg, dict(gen_mesh.shape),
-                                   dict(learn_mesh.shape))
+  gen, learn = memory_overlap.plan_overlap(spec, model_cfg, dict(gen_mesh.shape),
+                                           dict(learn_mesh.shape))
   whole = memory.plan(spec, model_cfg, dict(learn_mesh.shape))
   gen_names, learn_names = {it.name for it in gen.items}, {it.name for it in learn.items}
   # The generator: a policy copy and the samplers, no optimizer or update; the learner: the
