@@ -23,15 +23,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 # Threshold 0: these programs compile in under JAX's default 1 s, which cached nothing
 # (experiments/results/ci_timings.md). A max size turns on JAX's file lock, so two processes
 # never read an entry half written. The directory belongs to one pytest run (its controller
-# makes it, xdist workers and their subprocesses inherit it) and goes when that run ends; it is
-# world-writable because some tests run rlx as `nobody`. This process and the xdist workers
-# keep the cache off, so in-process tests compile exactly as they would for a user.
+# makes it, xdist workers and their subprocesses inherit it) and goes when that run ends. A
+# test that runs rlx as another user (`nobody`) drops JAX_COMPILATION_CACHE_DIR from that
+# process's environment: JAX's lock file and the entries are this user's. This process and
+# the xdist workers keep the cache off, so in-process tests compile as they would for a user.
 # RLX_TESTS_XLA_CACHE=off (any value set beforehand) runs the subprocesses without a cache.
 _CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
 if "RLX_TESTS_XLA_CACHE" not in os.environ:
   _cache_dir = tempfile.mkdtemp(prefix="rlx_tests_xla_cache_")
-  os.chmod(_cache_dir, 0o777)
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
   os.environ.update({"RLX_TESTS_XLA_CACHE": _cache_dir, "JAX_COMPILATION_CACHE_DIR": _cache_dir,
                      **_CACHE_VARS})
