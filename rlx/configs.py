@@ -343,7 +343,9 @@ def defaults() -> mlc.ConfigDict:
   # Per-level guard (rlx.rl.length.LengthGuard): over the first guard_steps RL steps the term
   # is off and each difficulty level's sampled accuracy is measured; afterwards a level's term
   # fades to off as its moving-average accuracy (decay guard_decay) falls guard_margin below
-  # that reference, so shortening never costs a level what it could do. 0: no guard.
+  # that reference. 0: no guard. Measured on experiments/reasoning.py: it holds a level against
+  # its own length push, not against a style switch the other levels cause
+  # (experiments/results/reasoning_levels.md).
   c.length.guard_margin = 0.0
   c.length.guard_steps = 10
   c.length.guard_decay = 0.9

@@ -54,7 +54,9 @@ A per-level guard (`guard_margin` > 0, `LengthGuard`): each difficulty level's s
 accuracy is measured at the start of RL, and the term fades to off at a level whose accuracy
 falls `guard_margin` below that, so that shortening is pushed only where it costs the
 level nothing (a length term strong enough to shorten otherwise moves levels the base has
-solved onto the concise style they answer worse in; experiments/results/reasoning_levels.md).
+solved onto the concise style they answer worse in). Measured there: it holds a level against
+its own push, but the style is one switch for the whole model, which the band's push alone can
+flip and which turning the term off does not undo (experiments/results/reasoning_levels.md).
 """
 
 from __future__ import annotations
