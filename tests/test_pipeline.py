@@ -111,7 +111,11 @@ def reference_run(steps, k, cfg=None):
   return state, hist
 
 
-def assert_params_close(a, b, rtol=2e-4, atol=5e-5):
+def assert_params_close(a, b, rtol=2e-4, atol=1e-4):
+  # atol is 1% of one Adam step at lr 1e-2: the learner's gradients are summed over 1 device
+  # in the reference and over 2-6 here, and Adam's m / sqrt(v) turns a last-bit difference in
+  # a near-zero gradient into up to ~1e-4 after 5 steps (on one CPU model 6.4e-5 at 5e-5's
+  # bound, one element of 2048; on another within it). A wrong schedule moves whole steps.
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
