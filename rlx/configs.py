@@ -289,7 +289,7 @@ def defaults() -> mlc.ConfigDict:
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()
-  c.selection.mode = "uniform"  # uniform | band | history | skip
+  c.selection.mode = "uniform"  # uniform | band | history | skip | oracle
   c.selection.ema = 0.5
   c.selection.floor = 0.05
   c.selection.history_cooldown = 50
@@ -305,6 +305,10 @@ def defaults() -> mlc.ConfigDict:
   # band mode, unvisited prompts: "mean" (4 p(1-p) at the bucket's mean pass rate) or
   # "spread" (4 E[p(1-p)] over the bucket's groups; see rlx.rl.selection).
   c.selection.bucket_score = "mean"
+  # oracle (an instrument; exact-match tasks): prompts drawn uniformly and probed by a
+  # teacher-forced forward each step, the n most likely to give a mixed group sampled.
+  # 0: the whole pool.
+  c.selection.oracle_candidates = 256
 
   c.replay = mlc.ConfigDict()
   c.replay.enabled = False
