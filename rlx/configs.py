@@ -305,9 +305,10 @@ def defaults() -> mlc.ConfigDict:
   # band mode, unvisited prompts: "mean" (4 p(1-p) at the bucket's mean pass rate) or
   # "spread" (4 E[p(1-p)] over the bucket's groups; see rlx.rl.selection).
   c.selection.bucket_score = "mean"
-  # oracle (an instrument; exact-match tasks): prompts drawn uniformly and probed by a
-  # teacher-forced forward each step, the n most likely to give a mixed group sampled.
-  # 0: the whole pool.
+  # oracle (exact-match tasks): this many prompts drawn uniformly are probed by a
+  # teacher-forced forward each step and the n most likely to give a mixed group sampled.
+  # 256 (or 0: the whole pool) measures the headroom; 4x prompts_per_step is the cheap lever
+  # (experiments/results/efficiency_chains.md).
   c.selection.oracle_candidates = 256
 
   c.replay = mlc.ConfigDict()

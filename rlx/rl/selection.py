@@ -36,6 +36,10 @@ Modes (`SelectionConfig.mode`):
            a mixed group, 1 - p^G - (1-p)^G, are sampled. The probe forwards are counted in
            ledger/probe_tokens (FLOPs), not in generated tokens. It bounds what any
            history-based selection can win on a task (issue 36's headroom measurement).
+           With few candidates (e.g. 4x the prompts per step) the same probe is a lever on
+           exact-match tasks: it spends prefill-only forwards, no generated tokens, to find
+           the prompts worth sampling (the pre-rollout prediction of GRESO / MoPPS, here
+           exact instead of estimated; measured in experiments/results/efficiency_chains.md).
 Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
 arXiv 2503.14476): sample `oversample` x the needed groups, keep groups with non-zero
 reward variance first; the discarded rollouts are still counted in the token ledger.
