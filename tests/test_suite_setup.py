@@ -22,23 +22,28 @@ def test_this_process_compiles_without_the_persistent_cache():
   assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
 
 
-def test_a_started_process_writes_to_and_reads_from_the_shared_cache():
+def test_a_started_process_writes_to_and_reads_from_the_shared_cache(tmp_path):
   cache = _cache_dir()
   code = ("import jax, jax.numpy as jnp, time; t = time.perf_counter(); "
           "jax.jit(lambda x: jnp.sin(x) * 41.5 + 7)(jnp.arange(5.0)).block_until_ready(); "
           "print(jax.config.jax_compilation_cache_dir)")
-  before = set(os.listdir(cache))
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, check=True)
+  run = lambda env: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   timeout=120, check=True, env=env)
+  out = run(None)  # the environment a test's subprocess inherits
   assert out.stdout.strip() == cache and not out.stderr.strip(), out.stderr
-  new = sorted(set(os.listdir(cache)) - before)
+  # Writing and reading, with the same settings in a directory of this test's own: the shared
+  # one also receives what the other xdist worker's processes compile meanwhile (a listing
+  # diff there raced with them once, 2026-12-06).
+  private = str(tmp_path)
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": private}
+  assert run(env).stdout.strip() == private
+  new = sorted(os.listdir(private))
   assert any(n.endswith("-cache") for n in new), f"nothing written to the cache: {new}"
   # JAX's lock-guarded cache (a max size is set) stamps an entry's "-atime" file on each read.
-  stamps = lambda: {n: open(os.path.join(cache, n), "rb").read() for n in new
+  stamps = lambda: {n: open(os.path.join(private, n), "rb").read() for n in new
                     if n.endswith("-atime")}
   written = stamps()
-  again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+  again = run(env)
   assert not again.stderr.strip(), again.stderr
-  assert sorted(set(os.listdir(cache)) - before) == new  # nothing compiled anew
+  assert sorted(os.listdir(private)) == new  # nothing compiled anew
   assert stamps() != written, "the second process did not read the entries the first wrote"
