@@ -47,3 +47,33 @@ def test_a_started_process_writes_to_and_reads_from_the_shared_cache(tmp_path):
   assert not again.stderr.strip(), again.stderr
   assert sorted(os.listdir(private)) == new  # nothing compiled anew
   assert stamps() != written, "the second process did not read the entries the first wrote"
+
+
+def test_the_suites_o0_flag_changes_no_checked_number(tmp_path):
+  """conftest compiles at LLVM -O0 to save time; this is the claim that makes that honest: a
+  few training steps in a process at XLA's default flags and in one at -O0 give the same
+  completions, parameters and compiled HLO (bitwise), and the same metrics to float rounding."""
+  from conftest import O0_FLAG  # pylint: disable=import-outside-toplevel
+  if O0_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    pytest.skip("the suite runs without the -O0 flag (RLX_TESTS_XLA_OPT or XLA_FLAGS)")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, os.path.join(repo, "experiments", "benchmarks", "step_fingerprint.py"),
+         f"--config={os.path.join(repo, 'experiments', 'arith.py')}:runlocal",
+         f"--workdir={tmp_path}", "--steps=3"]
+  default_flags = os.environ["XLA_FLAGS"].replace(O0_FLAG, "").strip()
+  outs = []
+  for flags in (default_flags, os.environ["XLA_FLAGS"]):  # the first trains the shared base
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo,
+                         env={**os.environ, "XLA_FLAGS": flags})
+    assert out.returncode == 0, out.stderr[-3000:]
+    outs.append(out.stdout.splitlines())
+  default, o0 = outs
+  assert len(default) == len(o0) > 10
+  exact = [l for l in default if "sha1" in l]
+  assert len(exact) == 6, exact  # 3 steps' completions, the params, two compiled programs
+  for a, b in zip(default, o0):
+    if "sha1" in a:
+      assert a == b
+    else:  # "  metric value"
+      (ka, va), (kb, vb) = a.split(), b.split()
+      assert ka == kb and float(va) == pytest.approx(float(vb), rel=1e-5, abs=1e-5), (a, b)
