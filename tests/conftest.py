@@ -31,17 +31,21 @@ if (os.environ.get("RLX_TESTS_XLA_OPT", "O0") == "O0"
     and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {O0_FLAG}".strip()
 
-# One persistent XLA compilation cache for the processes the tests start (`python -m
-# rlx.main`, CLIs, sweeps, notebooks): they compile the same small programs again and again
-# (a kill -9 test runs one config four times), and on 2 cores compiling is most of their time.
-# Threshold 0: these programs compile in under JAX's default 1 s, which cached nothing
-# (experiments/results/ci_timings.md). A max size turns on JAX's file lock, so two processes
-# never read an entry half written. The directory belongs to one pytest run (its controller
-# makes it, xdist workers and their subprocesses inherit it) and goes when that run ends. A
-# test that runs rlx as another user (`nobody`) drops JAX_COMPILATION_CACHE_DIR from that
-# process's environment: JAX's lock file and the entries are this user's. This process and
-# the xdist workers keep the cache off, so in-process tests compile as they would for a user.
-# RLX_TESTS_XLA_CACHE=off (any value set beforehand) runs the subprocesses without a cache.
+# One persistent XLA compilation cache for the test processes and the processes they start
+# (`python -m rlx.main`, CLIs, sweeps, notebooks): they compile the same small programs again
+# and again (a kill -9 test runs one config four times, a crash/resume test calls trainer.run
+# three times in-process with new jitted closures each time), and on 2 cores compiling is most
+# of their time. Threshold 0: these programs compile in under JAX's default 1 s, which cached
+# nothing (experiments/results/ci_timings.md). A max size turns on JAX's file lock and its
+# "-atime" files, so no process reads an entry half written; every writer must set it: a
+# writer without it (this process once, whose jax had read the environment before it was
+# set) leaves entries without "-atime" files that the locking processes then fail to scan.
+# The directory belongs to one pytest run (its controller makes it, xdist workers and their
+# subprocesses inherit it) and goes when that run ends. A test that runs rlx as another user
+# (`nobody`) drops JAX_COMPILATION_CACHE_DIR from that process's environment: JAX's lock file
+# and the entries are this user's. RLX_TESTS_XLA_CACHE=off (any value set beforehand) runs
+# the suite without the cache. A cached executable is the one XLA compiled for the same HLO
+# and flags; tests that count compilations read jit's in-memory cache, which this leaves alone.
 _CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
 if "RLX_TESTS_XLA_CACHE" not in os.environ:
@@ -49,7 +53,13 @@ if "RLX_TESTS_XLA_CACHE" not in os.environ:
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
   os.environ.update({"RLX_TESTS_XLA_CACHE": _cache_dir, "JAX_COMPILATION_CACHE_DIR": _cache_dir,
                      **_CACHE_VARS})
-jax.config.update("jax_compilation_cache_dir", None)
+if os.environ.get("JAX_COMPILATION_CACHE_DIR") == os.environ["RLX_TESTS_XLA_CACHE"]:
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_compilation_cache_max_size",
+                    int(_CACHE_VARS["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+else:
+  jax.config.update("jax_compilation_cache_dir", None)
 
 # The rule: a test is slow when it trains through rlx.main or trainer.run (in this process or
 # a subprocess), starts another Python process (a CLI, a sweep, a notebook, a pytest), or
