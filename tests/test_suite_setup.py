@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 
@@ -15,15 +16,19 @@ def _cache_dir():
   return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
-def test_this_process_uses_the_shared_cache_with_its_lock():
+def test_this_process_caches_in_a_directory_of_its_own():
+  from conftest import OWN_CACHE  # pylint: disable=import-outside-toplevel
   cache = _cache_dir()
-  assert jax.config.jax_compilation_cache_dir == cache
   assert os.path.isdir(cache) and os.stat(cache).st_uid == os.geteuid(), cache
   assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
-  # Without a max size JAX writes entries without their "-atime" files and without the lock,
-  # and the processes that lock then fail on them (seen once: tests/conftest.py says how).
-  assert jax.config.jax_compilation_cache_max_size > 0
+  assert int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0  # the shared one locks
+  # This process: its own directory, not the shared one (whose lock, eviction scan and
+  # "-atime" files would mix with an unlocked writer), written at threshold 0.
+  assert jax.config.jax_compilation_cache_dir == OWN_CACHE != cache
   assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+  before = set(os.listdir(OWN_CACHE))
+  jax.jit(lambda x: jnp.cos(x) * 3.25 - 11)(jnp.arange(7.0)).block_until_ready()
+  assert any(n.endswith("-cache") for n in set(os.listdir(OWN_CACHE)) - before)
 
 
 def test_a_started_process_writes_to_and_reads_from_the_shared_cache(tmp_path):
