@@ -31,26 +31,21 @@ if (os.environ.get("RLX_TESTS_XLA_OPT", "O0") == "O0"
     and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {O0_FLAG}".strip()
 
-# Persistent XLA compilation caches, because the tests compile the same small programs again
-# and again (a kill -9 test runs one config four times, a crash/resume test calls trainer.run
-# three times in-process with new jitted closures each time) and on 2 cores compiling is most
-# of their time. Threshold 0: these programs compile in under JAX's default 1 s, which cached
-# nothing (experiments/results/ci_timings.md).
-# - The processes the tests start (`python -m rlx.main`, CLIs, sweeps, notebooks) share one
-#   directory, made by the pytest controller and inherited through the environment by xdist
-#   workers and their subprocesses. Its max size turns on JAX's file lock and "-atime" files,
-#   so no process reads an entry half written. A test that runs rlx as another user (`nobody`)
-#   drops JAX_COMPILATION_CACHE_DIR from that process's environment: the lock file and the
-#   entries are this user's.
-# - Each test process (controller or xdist worker) has a directory of its own, without the
-#   lock: only it reads and writes there, one compilation at a time. Not the shared one: with
-#   eviction on, every write scans the whole directory under the lock, and the test processes'
-#   ~4,000 entries made that slower than compiling (a whole suite past 17 minutes, against
-#   14.4 without them); and a writer without the lock leaves entries without "-atime" files
-#   that the locking processes fail on (two full-disk tests saw it).
-# Each directory goes when the process that made it ends. RLX_TESTS_XLA_CACHE=off (any value
-# set beforehand) runs the suite without caches. A cached executable is the one XLA compiled
-# for the same HLO and flags; tests that count compilations read jit's in-memory cache.
+# One persistent XLA compilation cache for the processes the tests start (`python -m
+# rlx.main`, CLIs, sweeps, notebooks): they compile the same small programs again and again
+# (a kill -9 test runs one config four times), and on 2 cores compiling is most of their time.
+# Threshold 0: these programs compile in under JAX's default 1 s, which cached nothing
+# (experiments/results/ci_timings.md). A max size turns on JAX's file lock, so two processes
+# never read an entry half written. The directory belongs to one pytest run (its controller
+# makes it, xdist workers and their subprocesses inherit it) and goes when that run ends. A
+# test that runs rlx as another user (`nobody`) drops JAX_COMPILATION_CACHE_DIR from that
+# process's environment: JAX's lock file and the entries are this user's. This process and
+# the xdist workers keep the cache off, so in-process tests compile as they would for a user;
+# measured, a cache of their own (unlocked) saved 46 s of the whole suite but cost the fast
+# tier 25% (1 min 48 s -> 2 min 14 s: every compile then hashes its program), and writing into
+# this shared one breaks it (an unlocked writer leaves entries without "-atime" files that
+# the locking processes fail on; a locked one scans ~4,000 entries per write).
+# RLX_TESTS_XLA_CACHE=off (any value set beforehand) runs the subprocesses without a cache.
 _CACHE_VARS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
 if "RLX_TESTS_XLA_CACHE" not in os.environ:
@@ -58,15 +53,7 @@ if "RLX_TESTS_XLA_CACHE" not in os.environ:
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
   os.environ.update({"RLX_TESTS_XLA_CACHE": _cache_dir, "JAX_COMPILATION_CACHE_DIR": _cache_dir,
                      **_CACHE_VARS})
-if os.environ.get("JAX_COMPILATION_CACHE_DIR") == os.environ["RLX_TESTS_XLA_CACHE"]:
-  OWN_CACHE = tempfile.mkdtemp(prefix="rlx_tests_xla_cache_process_")
-  atexit.register(shutil.rmtree, OWN_CACHE, ignore_errors=True)
-  jax.config.update("jax_compilation_cache_dir", OWN_CACHE)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  jax.config.update("jax_compilation_cache_max_size", -1)  # no eviction, no lock
-else:
-  OWN_CACHE = None
-  jax.config.update("jax_compilation_cache_dir", None)
+jax.config.update("jax_compilation_cache_dir", None)
 
 # The rule: a test is slow when it trains through rlx.main or trainer.run (in this process or
 # a subprocess), starts another Python process (a CLI, a sweep, a notebook, a pytest), or
