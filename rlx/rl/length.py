@@ -241,4 +241,6 @@ def guard_update(guard: LengthGuard, cfg: LengthConfig, step, difficulty_B, corr
   new = guard.replace(ref_sum=ref_sum, ref_rows=ref_rows, avg=avg)
   stats = {"length/guard_min": level_m.min(), "length/guard_mean": level_m.mean(),
            "length/guard_levels_off": (level_m < 0.5).sum().astype(jnp.float32)}
+  for i in range(k):  # which level held its term when: the i-th smallest difficulty value
+    stats[f"length/guard_m{i}"] = level_m[i]
   return new, row_m, stats

@@ -225,9 +225,12 @@ def test_length_guard_equals_a_numpy_reference():
   want, want_avg = _guard_reference(levels, 0.2, 3, 0.7, history)
   guard = LengthGuard.init(levels)
   for step, (diff, correct) in enumerate(history):
-    guard, m, _ = guard_update(guard, cfg, jnp.int32(step), jnp.array(diff, jnp.int32),
-                               jnp.array(correct))
+    guard, m, stats = guard_update(guard, cfg, jnp.int32(step), jnp.array(diff, jnp.int32),
+                                   jnp.array(correct))
     np.testing.assert_allclose(m, want[step], rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    for i, level in enumerate(levels):  # each level's multiplier is logged
+      if level in diff:
+        assert float(stats[f"length/guard_m{i}"]) == pytest.approx(want[step][diff.index(level)])
   np.testing.assert_allclose(guard.avg, [want_avg[l] for l in levels], rtol=1e-5, atol=1e-6)
   assert want[-1][history[-1][0].index(5)] == 0.0  # the failing level ends with no term
 
