@@ -134,3 +134,53 @@ def test_shadow_share_sums_up_to_the_target_and_the_report_applies_the_30_percen
   # Whole run (the target never reached): 44 of 90 excluded would have mixed: falsified.
   lines = efficiency.shadow_report({"H": [run]}, target=0.9)
   assert lines[-1].endswith("| falsified |")
+
+
+_OWN_TASK = '''
+from rlx import configs
+from rlx.data import registry
+
+
+def _load(task, data_dir):
+  ex = [{"prompt": f"{i}=", "answer": str(i % 7), "difficulty": 1 + i % 2,
+         "teacher_answer": str(i % 7)} for i in range(20)]
+  return ex, ex
+
+
+registry.register_task("eff_own_task", registry.TaskDef(load=_load))
+
+
+def get_config(arg=""):
+  c = configs.defaults()
+  c.task.name = "eff_own_task"
+  c.task.levels = (1, 2)
+  c.task.band = (2,)
+  c.task.rl_levels = (1, 2)
+  return c
+'''
+
+
+def test_a_task_of_ones_own_runs_from_its_experiment_file(tmp_path):
+  """--task=<experiment file>: the unseen-family check needs no edit of the benchmark; the
+  config's own levels are kept (arith's (3, 4) and its rl_levels are not forced on it)."""
+  from absl import app, flags
+  path = tmp_path / "own_task.py"
+  path.write_text(_OWN_TASK)
+  try:
+    flags.FLAGS(["efficiency", f"--task={path}"])
+    assert efficiency.task_kind() == "file"
+    cfg = efficiency.make_config(50, 10, 3, "/base", "/data", {"optim.lr": 1e-4})
+    assert cfg.task.name == "eff_own_task"
+    assert tuple(cfg.task.band) == (2,) and tuple(cfg.task.eval_levels) == ()
+    assert tuple(cfg.task.rl_levels) == (1, 2)
+    assert (cfg.seed, cfg.total_steps, cfg.optim.lr) == (3, 50, 1e-4)
+    assert cfg.warm_start.dir == "/base"
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["efficiency", "--task=chains"])
+    assert efficiency.task_kind() == "chains"
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["efficiency", f"--task={tmp_path / 'missing.py'}"])
+    with pytest.raises(app.UsageError, match="missing.py"):
+      efficiency.task_config()
+  finally:
+    flags.FLAGS.unparse_flags()

@@ -7,6 +7,12 @@ band) and impossible (5-digit) problems, as a real RL data set does.
 1-4, a teacher unreliable on half of them at three rates; many skills, most groups
 zero-variance, a band that moves). Accuracy is greedy, held-out, on chains with an unreliable
 operator (levels 2-4).
+--task=path/to/my_experiment.py (or a shipped experiment's name): any experiment config whose
+task registers itself (rlx.data.registry) and sets task.band (the levels whose held-out
+accuracy, eval/band_accuracy, is measured) and a warm start (or model.path): the check of a task family the levers were
+not tuned on. It runs as chains does: 400 steps, evaluations every 10, the target at half of
+the pilot B0's base-to-plateau gain; nothing else of the config is changed but what the arms
+and flags set.
 --task=reasoning: experiments/reasoning.py (worked column addition, 15-200-token completions),
 with its length reward off in every arm but K, and 200 held-out problems per band level (3-4
 digits). Accuracy is greedy, held-out, on the band.
@@ -70,7 +76,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-_TASK = flags.DEFINE_enum("task", "arith", ["arith", "reasoning", "chains"], "Task family.")
+_TASK = flags.DEFINE_string("task", "arith", "Task family: arith, reasoning, chains, or an "
+                            "experiment config (a .py file or a shipped experiment's name) "
+                            "whose task is run as chains is: see the docstring.")
 _ROOT = flags.DEFINE_string("workdir_root", "/tmp/rlx_efficiency", "Where runs go.")
 _QUICK = flags.DEFINE_bool("quick", False, "Short runs (<= 15 min on 2 cores).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per arm.")
@@ -115,6 +123,26 @@ _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override of every 
                                  "a task variant.")
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the configs
+BUILT_IN = ("arith", "reasoning", "chains")
+
+
+def task_kind() -> str:
+  """"arith", "reasoning", "chains", or "file" (--task names an experiment config)."""
+  task = _TASK.value if flags.FLAGS.is_parsed() else "arith"
+  return task if task in BUILT_IN else "file"
+
+
+def task_config():
+  """The experiment config --task names (its get_config()), before any override."""
+  import rlx  # pylint: disable=g-import-not-at-top
+  kind = task_kind()
+  if kind == "file":
+    try:
+      return rlx.load_config(_TASK.value)
+    except FileNotFoundError as e:
+      raise app.UsageError(f"--task={_TASK.value!r}: expected arith, reasoning, chains or an "
+                           f"experiment config file ({e})") from None
+  return rlx.load_config(os.path.join(EXPERIMENTS, f"{kind}.py"))
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
@@ -148,7 +176,7 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
               "rl.anchor": _ANCHOR.value})
   if "L" in toks:
     o.update({"length.overlong_shaping": True, "length.overlong_filter": True})
-    if _TASK.value == "reasoning":  # DAPO's soft buffer, scaled to 224 new tokens
+    if task_kind() == "reasoning":  # DAPO's soft buffer, scaled to 224 new tokens
       o["length.overlong_buffer"] = 32
   # K: Kimi k1.5's group length reward at 0.5 (the reasoning config's), K<w> at weight w.
   for t in toks:
@@ -178,7 +206,7 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   parsed = flags.FLAGS.is_parsed()  # (tests call this without parsing the command line)
   shadow = _SHADOW.value if parsed else -1
   if shadow < 0:
-    shadow = 128 if parsed and _TASK.value == "chains" else 0
+    shadow = 128 if parsed and task_kind() == "chains" else 0
   if ("H" in toks or "G" in toks) and shadow:
     o["selection.shadow_probe"] = shadow
   if "X" in toks:
@@ -248,11 +276,11 @@ def best_cells(ttt: dict) -> dict:
 
 def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir: str,
                 overrides: dict):
-  import rlx  # pylint: disable=g-import-not-at-top
   from rlx import configs  # pylint: disable=g-import-not-at-top
+  kind = task_kind()
   common = {"seed": seed, "total_steps": steps, "eval_every": eval_every,
             "checkpoint_every": steps, "warm_start.dir": base_dir, "task.data_dir": data_dir}
-  if _TASK.value != "chains":
+  if kind in ("arith", "reasoning"):
     common["task.eval_levels"] = (3, 4)
   if _PROMPTS.value:
     common["rl.prompts_per_step"] = _PROMPTS.value
@@ -260,14 +288,11 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
     common["optim.lr"] = _LR.value
   if _GROUP.value:
     common["rl.group_size"] = _GROUP.value
-  if _TASK.value == "chains":
-    base = rlx.load_config(os.path.join(EXPERIMENTS, "chains.py"))
-  elif _TASK.value == "reasoning":
-    base = rlx.load_config(os.path.join(EXPERIMENTS, "reasoning.py"))
+  base = task_config()
+  if kind == "reasoning":
     # 400 held-out band problems as on arith; plain GRPO has no length reward.
     common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
-  else:
-    base = rlx.load_config(os.path.join(EXPERIMENTS, "arith.py"))
+  elif kind == "arith":
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
   config = configs.with_overrides(base, {**common, **parse_sets(_SET.value), **overrides})
   if config.adaptive.first and not config.adaptive.extend_groups:
@@ -415,8 +440,8 @@ def main(_):
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   quick = _QUICK.value
-  reasoning = _TASK.value == "reasoning"
-  chains = _TASK.value == "chains"
+  reasoning = task_kind() == "reasoning"
+  chains = task_kind() in ("chains", "file")  # a task of one's own runs as chains does
   steps = _STEPS.value or ((300 if quick else 400) if chains else
                            (60 if quick else 100) if reasoning else (80 if quick else 200))
   arms = _ARMS.value or (["B0", "B1", "S", "R", "S+R", "S+R+L", "V"] +
@@ -515,8 +540,10 @@ def main(_):
       lines.append(f"| {name} | {cell} | {fmt_tokens(float(np.median(ttt[cell])))} | "
                    f"{'1.00x' if cell == b0 else ratio} |")
   lines += more_metrics(results, ttt, target, budget)
-  if chains:
-    lines += chains_gates(results, ttt, target, eval_n=3 * 128)
+  if chains:  # the issue's pilot gates; the band's evaluation size sets their noise floor
+    t = make_config(steps, eval_every, 0, base_dir, data_dir, {}).task
+    levels = len(t.band) or len(t.eval_levels) or len(t.levels) or 1
+    lines += chains_gates(results, ttt, target, eval_n=levels * t.num_eval_per_level)
   lines += shadow_report(results, target)
   text = "\n".join(lines)
   print("\n" + text)
