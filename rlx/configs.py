@@ -289,7 +289,7 @@ def defaults() -> mlc.ConfigDict:
 
   # Sample efficiency (rlx.rl.selection / replay / length); off = plain GRPO.
   c.selection = mlc.ConfigDict()
-  c.selection.mode = "uniform"  # uniform | band | history | skip | oracle
+  c.selection.mode = "uniform"  # uniform | band | history | skip | oracle | probe
   c.selection.ema = 0.5
   c.selection.floor = 0.05
   c.selection.history_cooldown = 50
@@ -310,6 +310,9 @@ def defaults() -> mlc.ConfigDict:
   # 256 (or 0: the whole pool) measures the headroom; 4x prompts_per_step is the cheap lever
   # (experiments/results/efficiency_chains.md).
   c.selection.oracle_candidates = 256
+  # probe (exact-match tasks): the oracle's probe as a lever, on probe_factor x the prompts
+  # per step (rlx.rl.selection; 4.78x fewer tokens to target on op-chains at 8).
+  c.selection.probe_factor = 8
 
   c.replay = mlc.ConfigDict()
   c.replay.enabled = False

@@ -118,10 +118,10 @@ class StepConfig:
                        f"exact-match task (its probe is the oracle's: the probability of the "
                        f"one correct completion); this task's verifier is "
                        f"{self.verifier.kind!r}.")
-    if self.selection.mode == "oracle" and self.verifier.kind != "exact_match":
-      raise ValueError(f"selection.mode='oracle' needs an exact-match task (one correct "
-                       f"completion, whose probability is the pass rate); this task's verifier "
-                       f"is {self.verifier.kind!r}.")
+    if self.selection.mode in ("oracle", "probe") and self.verifier.kind != "exact_match":
+      raise ValueError(f"selection.mode={self.selection.mode!r} needs an exact-match task (one "
+                       f"correct completion, whose probability is the pass rate); this task's "
+                       f"verifier is {self.verifier.kind!r}.")
     if self.adaptive is not None:
       self.adaptive.check(self.prompts_per_step, self.group_size,
                           self.selection.dynamic_filter)

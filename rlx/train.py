@@ -112,7 +112,7 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   rng, k_choose, k_sample = jax.random.split(jax.random.wrap_key_data(state.rng), 3)
   n, g = cfg.sampled_groups, cfg.group_size
   stats = {}
-  if cfg.selection.mode == "oracle":
+  if cfg.selection.mode in ("oracle", "probe"):
     ids, stats = oracle_choose(state, pool, k_choose, n, graphdef=graphdef, cfg=cfg)
   else:
     ids = selection.choose(state.selector, cfg.selection, k_choose, pool.size, n, state.step)
@@ -206,7 +206,7 @@ def shadow_probe(state: TrainState, pool: PromptPool, k_choose, *, graphdef,
 
 def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
                   cfg: StepConfig):
-  """selection.mode="oracle": n prompts chosen by their true current pass rate.
+  """selection.mode="oracle" / "probe": n prompts chosen by their true current pass rate.
 
   On an exact-match task a prompt's pass rate under sampling at temperature T is the
   probability of its one correct completion (the answer tokens + EOS), which one
@@ -215,7 +215,9 @@ def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
   tokens. Returns (ids i32[n], stats).
   """
   k_cand, k_tie = jax.random.split(key)
-  c = min(cfg.selection.oracle_candidates or pool.size, pool.size)
+  sc = cfg.selection
+  c = n * sc.probe_factor if sc.mode == "probe" else sc.oracle_candidates or pool.size
+  c = min(c, pool.size)
   if c < pool.size:
     cand = jax.random.choice(k_cand, pool.size, (c,), replace=False).astype(jnp.int32)
   else:

@@ -146,6 +146,7 @@ SLOW = (
     "tests/rl/test_adaptive.py::test_ledger_sums_for_the_plain_step_with_dynamic_filtering",
     "tests/rl/test_oracle.py::test_oracle_candidates_are_a_uniform_subset_and_counted",
     "tests/rl/test_oracle.py::test_oracle_choose_uses_true_pass_rates_and_counts_its_probes",
+    "tests/rl/test_oracle.py::test_probe_is_the_oracle_on_factor_times_n_candidates",
     "tests/sampler/test_paged.py::test_cascade_attention_matches_dense",
     "tests/sampler/test_paged.py::test_cascade_keeps_plain_attention_on_sliding_window_layers",
     "tests/sampler/test_paged.py::test_eight_devices_match_one",

@@ -95,12 +95,45 @@ def test_oracle_candidates_are_a_uniform_subset_and_counted():
       np.sum(np.asarray(pool.prompt_lens)[cand]) + np.sum(np.asarray(pool.answer_lens)[cand]))
 
 
+def test_probe_is_the_oracle_on_factor_times_n_candidates():
+  """selection.mode="probe": the same candidates, pass rates and picks as the oracle with
+  probe_factor x n candidates (what the benchmark measured as X with oracle_candidates)."""
+  pool = _pool(np.random.default_rng(2), 40)
+  graphdef, params = init_params(CFG, 0)
+  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
+                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+
+  def choose(**sel):
+    cfg = train.StepConfig(
+        prompts_per_step=3, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
+        loss=LossConfig(), sampling=SamplingParams(max_new_tokens=4),
+        selection=selection.SelectionConfig(**sel))
+    return train.oracle_choose(state, pool, jax.random.key(5), 3, graphdef=graphdef, cfg=cfg)
+
+  ids, stats = choose(mode="probe", probe_factor=4)
+  want_ids, want = choose(mode="oracle", oracle_candidates=12)
+  np.testing.assert_array_equal(ids, want_ids)
+  assert float(stats["ledger/probe_tokens"]) == float(want["ledger/probe_tokens"])
+  _, whole = choose(mode="oracle", oracle_candidates=0)
+  assert float(stats["ledger/probe_tokens"]) < float(whole["ledger/probe_tokens"])
+  _, capped = choose(mode="probe", probe_factor=100)  # more than the pool: the whole pool
+  assert float(capped["ledger/probe_tokens"]) == float(whole["ledger/probe_tokens"])
+  with pytest.raises(ValueError, match="probe_factor=0"):
+    selection.SelectionConfig(mode="probe", probe_factor=0)
+
+
 def test_oracle_needs_an_exact_match_task():
   with pytest.raises(ValueError, match="exact-match task"):
     train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
                      num_minibatches=1, loss=LossConfig(),
                      sampling=SamplingParams(max_new_tokens=4),
                      selection=selection.SelectionConfig(mode="oracle"),
+                     verifier=Verifier("final_answer", (5,)))
+  with pytest.raises(ValueError, match="mode='probe' needs an exact-match task"):
+    train.StepConfig(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
+                     num_minibatches=1, loss=LossConfig(),
+                     sampling=SamplingParams(max_new_tokens=4),
+                     selection=selection.SelectionConfig(mode="probe"),
                      verifier=Verifier("final_answer", (5,)))
   with pytest.raises(ValueError, match="oracle_candidates"):
     selection.SelectionConfig(mode="oracle", oracle_candidates=-1)
