@@ -81,6 +81,8 @@ def test_new_arms_history_skip_oracle_and_batch_shape():
   assert efficiency.arm_overrides("X+P8", "band") == {"selection.mode": "oracle",
                                                      "rl.prompts_per_step": 8}
   assert efficiency.arm_overrides("P8", "band") == {"rl.prompts_per_step": 8}
+  assert efficiency.arm_overrides("E+P8", "band") == {"selection.mode": "probe",
+                                                     "rl.prompts_per_step": 8}
   # A batch shape is a cell of its arm's tuning grid, not an arm of its own.
   assert efficiency.arm_family("S+P8") == "S" and efficiency.arm_family("P8") == "B0"
   ttt = {"B0": [10, 12], "P8": [5, 6], "S": [9, 9], "S+P8": [20, 20]}

@@ -43,6 +43,9 @@ digits). Accuracy is greedy, held-out, on the band.
   X      the oracle selector (selection.mode=oracle): prompts chosen by their true current
          pass rate, probed by teacher forcing; not a lever but the headroom any selection
          could reach (its probes are FLOPs, counted in the FLOPs column, not generated tokens)
+  E      the probe lever (selection.mode=probe): the oracle's probe on probe_factor (8) x
+         the prompts per step, the likeliest to give mixed groups sampled (exact-match tasks;
+         = X with oracle_candidates = 8 x prompts_per_step)
   P<k>   k fresh prompts per step (e.g. S+P8): each arm's own batch shape
   R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each
          batch (e.g. R+N2): the update-to-data ratio
@@ -146,7 +149,7 @@ def task_config():
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
-_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|R\d*|N\d+|P\d+|"
+_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|E|R\d*|N\d+|P\d+|"
                         r"K(\d+(\.\d*)?|\.\d+)?)$")
 
 
@@ -156,7 +159,7 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   bad = [t for t in toks if not _ARM_TOKEN.match(t) or (len(toks) > 1 and t in ("B0", "B1"))]
   if bad:
     raise ValueError(f"arm {arm!r}: unknown part(s) {bad}; "
-                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, "
+                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, E, "
                      "R[rows], N<passes>, P<prompts>, K[weight] (e.g. V+S+R32, K0.2, X+P8)")
   if arm == "B1":
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
@@ -211,6 +214,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o["selection.shadow_probe"] = shadow
   if "X" in toks:
     o["selection.mode"] = "oracle"
+  if "E" in toks:
+    o["selection.mode"] = "probe"
   for t in toks:
     if t[:1] == "P" and t[1:].isdigit():
       o["rl.prompts_per_step"] = int(t[1:])
