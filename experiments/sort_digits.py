@@ -16,7 +16,7 @@ never taught 7 digits, mostly fails there.
   python -m rlx.main --config=experiments/sort_digits.py --workdir=/tmp/rlx_sort
   python -m rlx.main --config=experiments/sort_digits.py:runlocal --workdir=/tmp/rlx_sort_local
   python -m experiments.benchmarks.efficiency --task=experiments/sort_digits.py \
-      --workdir_root=/tmp/eff_sort --arms=B0,X --seeds=3
+      --workdir_root=/tmp/eff_sort --arms=B0,E --seeds=3   # E: selection.mode=probe
 """
 
 import random
