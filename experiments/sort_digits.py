@@ -27,7 +27,7 @@ from rlx import configs
 from rlx.data import registry
 from rlx.errors import ConfigError
 
-MIN_DIGITS, MAX_DIGITS = 2, 12
+MIN_DIGITS, MAX_DIGITS = 2, 9  # an answer + EOS fits sampler.max_new_tokens = 10
 
 
 def teacher_sort(digits: str, wrong: bool) -> str:

@@ -311,7 +311,8 @@ def defaults() -> mlc.ConfigDict:
   # (experiments/results/efficiency_chains.md).
   c.selection.oracle_candidates = 256
   # probe (exact-match tasks): the oracle's probe as a lever, on probe_factor x the prompts
-  # per step (rlx.rl.selection; 4.78x fewer tokens to target on op-chains at 8).
+  # sampled per step (x oversample with dynamic_filter; rlx.rl.selection; 4.78x fewer tokens
+  # to target on op-chains at 8).
   c.selection.probe_factor = 8
 
   c.replay = mlc.ConfigDict()

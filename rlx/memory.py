@@ -283,6 +283,7 @@ def plan_with_weights(config, model_cfg: ModelConfig, mesh_shape: Mapping[str, i
   _pool_lines(run, lines)
   _sampler_lines(run, weights, lines)
   _merged_lines(run, weights, lines)
+  _probe_lines(run, lines)
   mb_rows = _logp_lines(run, lines)
   _grad_lines(run, weights, mb_rows, lines, remat_realised)
   _scan_lines(run, weights, lines)
@@ -553,8 +554,7 @@ def _logprob_chunk(run: _Run) -> tuple[int, str]:
 def _logp_lines(run: _Run, lines: _Lines) -> int:
   """The training batch and the no-grad forward passes; returns the rows of the minibatch
   (or accumulation micro-batch) whose activations are live on one device."""
-  rl, cfg, nb, pw, t_new, seq, c = (run.spec.rl, run.cfg, run.nb, run.pw, run.t_new, run.seq,
-                                    run.c)
+  rl, nb, pw, t_new = run.spec.rl, run.nb, run.pw, run.t_new
   rep, loss = run.spec.replay, rl.loss
   train_rows = int(rl.prompts_per_step) * int(rl.group_size) + (rep.num_samples if rep else 0)
   rows_dev = cdiv(train_rows, nb)
@@ -567,23 +567,42 @@ def _logp_lines(run: _Run, lines: _Lines) -> int:
   if int(rl.num_minibatches) == 1 and 0 < micro < train_rows:
     # Gradient accumulation (`train.update_shape`): one micro-batch's activations live at a
     # time, the fewest equal parts of <= micro rows that split over the batch devices.
-    mb_rows = cdiv(train_rows // train.micro_parts(train_rows, micro, nb, rl.update_parts),
-                    nb)
+    mb_rows = cdiv(train_rows // train.micro_parts(train_rows, micro, nb, rl.update_parts), nb)
   forward_passes = []
   if not rl.fuse_pi_old or int(rl.num_minibatches) > 1:
     forward_passes.append("pi_old")
   if loss.kl_coef > 0:
     forward_passes.append("reference")
   if forward_passes:
-    d, hq, hkv, hd, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-    c_lp, chunk_note = _logprob_chunk(run)
-    one_layer = (mb_rows * seq * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
-                 + mb_rows * hq * seq * seq * 8)
     lines.add(f"{' + '.join(forward_passes)} forward (one minibatch, no grad)",
-              max(mb_rows * c_lp * V * 4 * _LOGITS_FWD_COPIES, one_layer) + mb_rows * seq * d * c,
-              f"max({mb_rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_FWD_COPIES}, one "
-              "layer) + hidden", "logp", _HINT_MINIBATCH, estimate=True)
+              *_nograd_forward(run, mb_rows), "logp", _HINT_MINIBATCH, estimate=True)
   return mb_rows
+
+
+def _nograd_forward(run: _Run, rows: int) -> tuple[int, str]:
+  """(bytes, formula) of a no-grad forward over `rows` sequences (log-probs kept in f32)."""
+  cfg, seq, c = run.cfg, run.seq, run.c
+  d, hq, hkv, hd, V = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+  c_lp, chunk_note = _logprob_chunk(run)
+  one_layer = (rows * seq * (4 * d + (hq + 2 * hkv) * hd + 3 * cfg.mlp_dim) * c
+               + rows * hq * seq * seq * 8)
+  return (max(rows * c_lp * V * 4 * _LOGITS_FWD_COPIES, one_layer) + rows * seq * d * c,
+          f"max({rows} rows x {chunk_note} x V={V} x 4B x{_LOGITS_FWD_COPIES}, one layer) "
+          "+ hidden")
+
+
+def _probe_lines(run: _Run, lines: _Lines) -> None:
+  """selection.mode oracle / probe (and the shadow probe): one teacher-forced no-grad forward
+  over every candidate at once (rlx.train.true_pass_rate), before the rollout samples."""
+  sel, rl = run.spec.selection, run.spec.rl
+  rows = {"probe": int(rl.prompts_per_step) * sel.groups_sampled_factor * sel.probe_factor,
+          "oracle": sel.oracle_candidates or run.n_prompts}.get(sel.mode, sel.shadow_probe)
+  rows = min(rows, run.n_prompts)
+  nbytes, formula = _nograd_forward(run, rows)
+  if rows:
+    lines.add(f"pass-rate probe forward ({rows} candidates, no grad)", nbytes,
+              formula + "; before sampling, counted with it", "rollout",
+              "a smaller selection.probe_factor or config.rl.logprob_chunk", estimate=True)
 
 
 def _grad_lines(run: _Run, weights: _Weights, mb_rows: int, lines: _Lines,

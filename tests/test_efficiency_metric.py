@@ -89,6 +89,8 @@ def test_new_arms_history_skip_oracle_and_batch_shape():
   assert efficiency.best_cells(ttt) == {"B0": "P8", "S": "S"}
   with pytest.raises(ValueError, match="unknown part"):
     efficiency.arm_overrides("P", "band")
+  with pytest.raises(ValueError, match="S and E are each a prompt-selection rule"):
+    efficiency.arm_overrides("S+E+R", "band")
 
 
 def test_area_under_curve_steps_and_compute_at_target():
@@ -177,6 +179,10 @@ def test_a_task_of_ones_own_runs_from_its_experiment_file(tmp_path):
     assert tuple(cfg.task.rl_levels) == (1, 2)
     assert (cfg.seed, cfg.total_steps, cfg.optim.lr) == (3, 50, 1e-4)
     assert cfg.warm_start.dir == "/base"
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["efficiency", f"--task={path}", "--set=model.path=/ckpt/mine"])
+    cfg = efficiency.make_config(50, 10, 3, "/base", "/data", {})
+    assert (cfg.model.path, cfg.warm_start.dir) == ("/ckpt/mine", "")  # its own checkpoint
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["efficiency", "--task=chains"])
     assert efficiency.task_kind() == "chains"

@@ -122,6 +122,26 @@ def test_kl_adds_reference_params_and_paged_adds_a_pool():
   assert "reference params (kl_coef > 0)" not in names
 
 
+def test_the_pass_rate_probe_is_a_rollout_line_linear_in_its_candidates():
+  """selection.mode probe / oracle: one no-grad forward over every candidate before sampling
+  (rlx.train.true_pass_rate); probe_factor x the prompts sampled, the oracle's count, or the
+  pool."""
+  def probe_line(**sel):
+    config = _config(**{f"selection.{k}": v for k, v in sel.items()})
+    items = [it for it in memory.plan(config, _model(config), {"data": 1}).items
+             if it.name.startswith("pass-rate probe forward")]
+    return items[0] if items else None
+
+  assert probe_line() is None  # uniform selection probes nothing
+  at8, at16 = probe_line(mode="probe"), probe_line(mode="probe", probe_factor=16)
+  assert at8.name == "pass-rate probe forward (32 candidates, no grad)"  # 4 prompts x 8
+  assert at8.phase == "rollout" and at16.bytes == 2 * at8.bytes
+  filtered = probe_line(mode="probe", dynamic_filter=True, oversample=2)
+  assert filtered.name == at16.name  # 2 x 4 prompts sampled, x 8: 64
+  assert probe_line(mode="oracle", oracle_candidates=0).name.startswith(
+      "pass-rate probe forward (900 candidates")  # the whole pool: 3 levels x 300
+
+
 def test_an_impossible_capacity_raises_with_the_numbers():
   config = _config(**{"memory.device_bytes": 1024})
   p = memory.plan(config, _model(config), {"data": 1})

@@ -9,10 +9,10 @@ zero-variance, a band that moves). Accuracy is greedy, held-out, on chains with 
 operator (levels 2-4).
 --task=path/to/my_experiment.py (or a shipped experiment's name): any experiment config whose
 task registers itself (rlx.data.registry) and sets task.band (the levels whose held-out
-accuracy, eval/band_accuracy, is measured) and a warm start (or model.path): the check of a task family the levers were
-not tuned on. It runs as chains does: 400 steps, evaluations every 10, the target at half of
-the pilot B0's base-to-plateau gain; nothing else of the config is changed but what the arms
-and flags set.
+accuracy, eval/band_accuracy, is measured), with a warm start or a model.path: the check of a
+task family the levers were not tuned on. It runs as chains does: 400 steps, evaluations
+every 10, the target at half of the pilot B0's base-to-plateau gain; nothing else of the
+config is changed but what the arms and flags set.
 --task=reasoning: experiments/reasoning.py (worked column addition, 15-200-token completions),
 with its length reward off in every arm but K, and 200 held-out problems per band level (3-4
 digits). Accuracy is greedy, held-out, on the band.
@@ -45,7 +45,7 @@ digits). Accuracy is greedy, held-out, on the band.
          could reach (its probes are FLOPs, counted in the FLOPs column, not generated tokens)
   E      the probe lever (selection.mode=probe): the oracle's probe on probe_factor (8) x
          the prompts per step, the likeliest to give mixed groups sampled (exact-match tasks;
-         = X with oracle_candidates = 8 x prompts_per_step)
+         = X with oracle_candidates = 8 x prompts_per_step, without dynamic filtering)
   P<k>   k fresh prompts per step (e.g. S+P8): each arm's own batch shape
   R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each
          batch (e.g. R+N2): the update-to-data ratio
@@ -161,6 +161,10 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     raise ValueError(f"arm {arm!r}: unknown part(s) {bad}; "
                      "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, E, "
                      "R[rows], N<passes>, P<prompts>, K[weight] (e.g. V+S+R32, K0.2, X+P8)")
+  picks = [t for t in toks if t in ("S", "Q", "H", "G", "X", "E")]
+  if len(picks) > 1:
+    raise ValueError(f"arm {arm!r}: {' and '.join(picks)} are each a prompt-selection rule; "
+                     f"an arm takes one (e.g. {picks[0]}+R).")
   if arm == "B1":
     o.update({"selection.dynamic_filter": True, "selection.oversample": 2})
   if "S" in toks:
@@ -283,6 +287,7 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
                 overrides: dict):
   from rlx import configs  # pylint: disable=g-import-not-at-top
   kind = task_kind()
+  base = task_config()
   common = {"seed": seed, "total_steps": steps, "eval_every": eval_every,
             "checkpoint_every": steps, "warm_start.dir": base_dir, "task.data_dir": data_dir}
   if kind in ("arith", "reasoning"):
@@ -293,13 +298,14 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
     common["optim.lr"] = _LR.value
   if _GROUP.value:
     common["rl.group_size"] = _GROUP.value
-  base = task_config()
   if kind == "reasoning":
     # 400 held-out band problems as on arith; plain GRPO has no length reward.
     common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
   elif kind == "arith":
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
   config = configs.with_overrides(base, {**common, **parse_sets(_SET.value), **overrides})
+  if config.model.path:  # a task starting from a checkpoint of its own has no warm start
+    config.warm_start.dir = ""
   if config.adaptive.first and not config.adaptive.extend_groups:
     config.adaptive.extend_groups = max(1, config.rl.prompts_per_step // 2)
   return config
@@ -464,11 +470,11 @@ def main(_):
 
   base_dir = _BASE_DIR.value or os.path.join(root, "base_run", "base")
   data_dir = os.path.join(root, "data")
-  if not os.path.exists(os.path.join(base_dir, "model.safetensors")):
+  first = make_config(1, 1, 0, "", data_dir, {})
+  if not (first.model.path or os.path.exists(os.path.join(base_dir, "model.safetensors"))):
     print(f"[efficiency] warm start -> {base_dir}", flush=True)
     from rlx import configs, experiment  # pylint: disable=g-import-not-at-top
-    experiment.setup(configs.resolve(make_config(1, 1, 0, "", data_dir, {})),
-                     os.path.dirname(base_dir), log=lambda s: None)
+    experiment.setup(configs.resolve(first), os.path.dirname(base_dir), log=lambda s: None)
 
   if _TARGET.value:
     target, base_acc, pilot_final = _TARGET.value, float("nan"), float("nan")
@@ -661,8 +667,9 @@ def chains_gates(results: dict, ttt: dict, target: float, eval_n: int) -> list[s
            f"{', '.join(f'{100 * z:.0f}%' for z in zero) or '-'} |",
            f"| changes of the most-mixed level before the target | >= 2 | "
            f"{', '.join(f'{c} ({chr(8594).join(map(str, lv))})' for lv, c in moves) or '-'} |",
-           f"| the same among levels 2-4 (the unreliable classes) | >= 2 | "
-           f"{', '.join(f'{c} ({chr(8594).join(map(str, lv))})' for lv, c in band_only) or '-'} |",
+           *([f"| the same among levels 2-4 (the unreliable classes) | >= 2 | " + (", ".join(
+               f"{c} ({chr(8594).join(map(str, lv))})" for lv, c in band_only) or "-") + " |"]
+             if task_kind() == "chains" else []),
            f"| target in B0's base-to-plateau gain | 40-60% | {100 * share:.0f}% (base "
            f"{base:.3f}, plateau {plateau:.3f}) |",
            f"| target below the plateau, in eval standard deviations | >= 4 | "
@@ -746,7 +753,8 @@ def plot(results, target, base_acc, path):
   ax.axhline(target, color="k", ls="--", lw=1, label=f"target {target:.2f}")
   ax.axhline(base_acc, color="gray", ls=":", lw=1, label=f"base {base_acc:.2f}")
   ax.set_xlabel("generated tokens (thousands, incl. discarded)")
-  ax.set_ylabel("held-out greedy accuracy, 3-4 digit band")
+  ax.set_ylabel("held-out greedy accuracy, 3-4 digit band" if task_kind() in ("arith", "reasoning")
+                else "held-out greedy accuracy, the task's band")
   ax.set_title("Accuracy vs generated tokens (thin: seeds, thick: median)")
   ax.grid(alpha=0.3)
   ax.legend(loc="lower right")

@@ -68,7 +68,7 @@ def test_through_the_registry_with_one_token_per_digit_and_exact_match(tmp_path)
 
 @pytest.mark.parametrize("kw, match", [
     ({"levels": (1, 4)}, "levels"),
-    ({"levels": (4, 13)}, "levels"),
+    ({"levels": (4, 10)}, "levels"),
     ({"num_eval_per_level": 0}, "num_eval_per_level=0"),
     ({"teacher_error_rate": 1.5}, "teacher_error_rate=1.5"),
     ({"levels": (2, 4)}, "distinct 2-digit"),
