@@ -42,10 +42,13 @@ Modes (`SelectionConfig.mode`):
            to give a mixed group are sampled. It is the pre-rollout pass-rate prediction of
            GRESO (Li et al. 2025, arXiv 2506.02177) and MoPPS (Qu et al. 2025), here exact
            instead of estimated from history, and it costs candidates' prefill, not rollouts.
-           Measured at factor 8 against the tuned plain GRPO: 4.78x fewer generated tokens
-           to target on op-chains, 1.95x on arithmetic at factor 4, 2.12x / 1.01x less
-           compute (experiments/results/efficiency_chains.md, efficiency_probe_arith.md,
-           efficiency_sort_digits.md for a family it was not tuned on).
+           Its price is probe_factor x (prompt + answer) prefill tokens per prompt sampled.
+           Against the tuned plain GRPO, at factor 8: op-chains 4.78x fewer generated tokens
+           to target and 2.12x less compute; arithmetic 1.43x fewer tokens at 1.85x the
+           compute (factor 4: 1.95x, the same compute); sorting digits, a family written
+           after, 0.97x at 2.98x the compute. It pays where many steps go to groups without
+           signal, not where the base learns in a few dozen steps (experiments/results/
+           efficiency_chains.md, efficiency_probe_arith.md, efficiency_sort_digits.md).
 Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
 arXiv 2503.14476): sample `oversample` x the needed groups, keep groups with non-zero
 reward variance first; the discarded rollouts are still counted in the token ledger.
