@@ -46,7 +46,7 @@ Modes (`SelectionConfig.mode`):
            Against the tuned plain GRPO, at factor 8: op-chains 4.78x fewer generated tokens
            to target and 2.12x less compute; arithmetic 1.43x fewer tokens at 1.85x the
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
-           after, 0.97x at 2.98x the compute. It pays where many steps go to groups without
+           after, 1.20x at 2.35x the compute. It pays where many steps go to groups without
            signal, not where the base learns in a few dozen steps (experiments/results/
            efficiency_chains.md, efficiency_probe_arith.md, efficiency_sort_digits.md).
 Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
