@@ -667,7 +667,7 @@ def chains_gates(results: dict, ttt: dict, target: float, eval_n: int) -> list[s
            f"{', '.join(f'{100 * z:.0f}%' for z in zero) or '-'} |",
            f"| changes of the most-mixed level before the target | >= 2 | "
            f"{', '.join(f'{c} ({chr(8594).join(map(str, lv))})' for lv, c in moves) or '-'} |",
-           *([f"| the same among levels 2-4 (the unreliable classes) | >= 2 | " + (", ".join(
+           *(["| the same among levels 2-4 (the unreliable classes) | >= 2 | " + (", ".join(
                f"{c} ({chr(8594).join(map(str, lv))})" for lv, c in band_only) or "-") + " |"]
              if task_kind() == "chains" else []),
            f"| target in B0's base-to-plateau gain | 40-60% | {100 * share:.0f}% (base "
