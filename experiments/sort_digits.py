@@ -53,13 +53,10 @@ def spec(task) -> dict:
     if need > 10 ** d:
       raise ConfigError(f"config.task: {need} distinct {d}-digit strings asked "
                         f"(num_train_per_level + num_eval_per_level); only {10 ** d} exist.")
-  rate = float(task.teacher_error_rate)
-  if not 0.0 <= rate <= 1.0:
-    raise ConfigError(f"config.task.teacher_error_rate={rate}; expected a value in [0, 1].")
   return {"levels": levels, "num_train_per_level": int(task.num_train_per_level),
           "num_eval_per_level": int(task.num_eval_per_level), "seed": int(task.seed),
           "teacher_error_levels": tuple(int(d) for d in task.teacher_error_levels),
-          "teacher_error_rate": rate}
+          "teacher_error_rate": float(task.teacher_error_rate)}  # [0, 1]: rlx.specs checks
 
 
 def make_examples(s: dict) -> tuple[list[dict], list[dict]]:
