@@ -192,3 +192,35 @@ def test_a_task_of_ones_own_runs_from_its_experiment_file(tmp_path):
       efficiency.task_config()
   finally:
     flags.FLAGS.unparse_flags()
+
+
+def test_mixture_arm_gives_the_band_its_share_of_the_pool():
+  """M<k>: B0 with a static mixture, the band levels k% of the RL pool (issue 36's B0 +
+  mixture baseline), split as the task's own weights split each side."""
+  from absl import flags
+  from rlx import configs
+  o = efficiency.arm_overrides("M50+P8", "band")
+  assert o == {"_band_share": 0.5, "rl.prompts_per_step": 8}
+  assert efficiency.arm_family("M50+P8") == "M"
+  assert efficiency.best_cells({"M25": [9, 9], "M75": [5, 5]}) == {"M": "M75"}
+  with pytest.raises(ValueError, match="M0; expected M<band share"):
+    efficiency.arm_overrides("M0", "band")
+  task = configs.defaults().task
+  task.rl_levels, task.band = (1, 2, 3, 4), (2, 3, 4)
+  task.rl_level_weights = {"1": 0.75, "2": 0.1, "3": 0.1, "4": 0.05}
+  np.testing.assert_allclose(
+      [efficiency.band_mixture(task, 0.5)[k] for k in "1234"], [0.5, 0.2, 0.2, 0.1])
+  task.rl_level_weights = {}
+  np.testing.assert_allclose(
+      [efficiency.band_mixture(task, 0.9)[k] for k in "1234"], [0.1, 0.3, 0.3, 0.3])
+  task.band = ()
+  with pytest.raises(ValueError, match="levels both in and out of task.band"):
+    efficiency.band_mixture(task, 0.5)
+  try:  # make_config applies it to the task's own config
+    flags.FLAGS(["efficiency", "--task=chains"])
+    cfg = efficiency.make_config(50, 10, 0, "/base", "/data", o)
+    got = dict(cfg.task.rl_level_weights)
+    np.testing.assert_allclose([got[k] for k in "1234"], [0.5, 1 / 6, 1 / 6, 1 / 6])
+    assert cfg.rl.prompts_per_step == 8 and "_band_share" in o  # the caller's dict kept
+  finally:
+    flags.FLAGS.unparse_flags()

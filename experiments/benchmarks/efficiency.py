@@ -149,7 +149,7 @@ def task_config():
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
-_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|E|R\d*|N\d+|P\d+|"
+_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|E|R\d*|N\d+|P\d+|M\d+|"
                         r"K(\d+(\.\d*)?|\.\d+)?)$")
 
 
@@ -160,7 +160,8 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   if bad:
     raise ValueError(f"arm {arm!r}: unknown part(s) {bad}; "
                      "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, E, "
-                     "R[rows], N<passes>, P<prompts>, K[weight] (e.g. V+S+R32, K0.2, X+P8)")
+                     "R[rows], N<passes>, P<prompts>, M<band %>, K[weight] (e.g. V+S+R32, K0.2, "
+                     "X+P8, M50)")
   picks = [t for t in toks if t in ("S", "Q", "H", "G", "X", "E")]
   if len(picks) > 1:
     raise ValueError(f"arm {arm!r}: {' and '.join(picks)} are each a prompt-selection rule; "
@@ -223,7 +224,38 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   for t in toks:
     if t[:1] == "P" and t[1:].isdigit():
       o["rl.prompts_per_step"] = int(t[1:])
+    if t[:1] == "M":  # a static mixture: the band's share of the RL pool (`band_mixture`)
+      share = int(t[1:])
+      if not 0 < share <= 100:
+        raise ValueError(f"arm {arm!r}: M{share}; expected M<band share in percent, 1-100> "
+                         "(e.g. M50).")
+      o[_BAND_SHARE] = share / 100
   return o
+
+
+# The override key an M arm sets; `make_config` turns it into task.rl_level_weights.
+_BAND_SHARE = "_band_share"
+
+
+def band_mixture(task, share: float) -> dict:
+  """task.rl_level_weights giving the band levels `share` of the RL pool in total and the
+  other RL levels the rest, each side split as the task's own weights split it (uniform when
+  it has none): the static data-curation baseline a user tries first ("train mostly on the
+  levels the model gets wrong"), issue 36's B0 + mixture."""
+  levels = [int(l) for l in (task.rl_levels or task.levels)]
+  band = {int(l) for l in task.band}
+  if not band or not band & set(levels) or not set(levels) - band:
+    raise ValueError(f"an M arm needs RL levels both in and out of task.band; the task has "
+                     f"rl_levels={levels} and band={sorted(band)}.")
+  own = {int(k): float(v) for k, v in dict(task.rl_level_weights).items()}
+  w = {l: own.get(l, 0.0) if own else 1.0 for l in levels}
+  out = {}
+  for side, total in ((band, share), (set(levels) - band, 1.0 - share)):
+    mass = sum(w[l] for l in levels if l in side)
+    for l in levels:
+      if l in side:
+        out[str(l)] = total * w[l] / mass if mass > 0 else total / len(side & set(levels))
+  return out
 
 
 def _rate(text: str) -> float | None:
@@ -266,9 +298,10 @@ def b0_of(cell: str, cells) -> str | None:
 
 
 def arm_family(name: str) -> str:
-  """The arm without its batch shape (P<k>): the cells a tuning grid compares as one arm
-  ("S+P8" -> "S", "P8" -> "B0")."""
+  """The arm without its batch shape (P<k>) or mixture share (M<k>): the cells a tuning grid
+  compares as one arm ("S+P8" -> "S", "P8" -> "B0", "M50+P8" -> "M")."""
   toks = [t for t in name.split("+") if not (t[:1] == "P" and t[1:].isdigit())]
+  toks = ["M" if t[:1] == "M" and t[1:].isdigit() else t for t in toks]
   return "+".join(toks) or "B0"
 
 
@@ -303,7 +336,11 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
     common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
   elif kind == "arith":
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
+  overrides = dict(overrides)
+  share = overrides.pop(_BAND_SHARE, None)
   config = configs.with_overrides(base, {**common, **parse_sets(_SET.value), **overrides})
+  if share is not None:
+    config.task.rl_level_weights = band_mixture(config.task, share)
   if config.model.path:  # a task starting from a checkpoint of its own has no warm start
     config.warm_start.dir = ""
   if config.adaptive.first and not config.adaptive.extend_groups:
