@@ -6,13 +6,17 @@ column, then the final answer after "=>", which is all the reward reads:
   1+7=8|482+390|8;2+0=2|48+39|28;8+9=17|4+3|728;4+3+c1=8||8728;=>8728
 
 A supervised warm start (cached in WORKDIR/base) teaches a 0.8M-parameter model from an
-imperfect, verbose teacher: on 3- and 4-digit problems it forgets the first carry 60% of the
-time, and at every level it writes 65% of its solutions verbosely (restating the problem,
-numbering columns, spelling out every digit written and carry: ~1.8x the tokens). The base
-model is thus uncertain on the 3-4 digit band and wordy everywhere. GRPO with the final-answer
-verifier and Kimi k1.5's group length reward then has to discover that carries matter and that
-the short solution is as good as the long one; held-out greedy accuracy and the mean length of
-correct completions are printed before and after RL.
+imperfect teacher that is verbose where it is unreliable: on 3- and 4-digit problems (the band)
+it forgets the first carry 60% of the time and writes 65% of its solutions verbosely
+(restating the problem, numbering columns, spelling out every digit written and carry: ~1.8x
+the tokens); 1-, 2- and 5-digit problems it solves correctly and concisely. The base model is
+thus uncertain and wordy on the band, sure and short elsewhere. GRPO with the final-answer
+verifier and Kimi k1.5's group length reward (added after the normalisation, so its push is
+bounded by its weight) has to discover that carries matter and that the short solution is as
+good as the long one on the band, and a KL to the base (0.25) holds the levels the base solved:
+learning the band's carries otherwise moves the addition the 5-digit answers share with it
+(experiments/results/reasoning_levels.md, route 17). Held-out greedy accuracy per level and
+the mean length of correct band completions are printed before and after RL.
 
   python -m rlx.main --config=experiments/reasoning.py --workdir=/tmp/rlx_reasoning
   python -m rlx.main --config=experiments/reasoning.py:runlocal --workdir=/tmp/rlx_reasoning_local
@@ -35,15 +39,15 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
   c.task.name = "column_add"
   c.task.levels = (1, 2, 3) if runlocal else (1, 2, 3, 4, 5)  # number of digits
   c.task.num_train_per_level = 200 if runlocal else 4000
-  c.task.num_eval_per_level = 8 if runlocal else 64
-  c.task.teacher_error_levels = (3, 4)
+  c.task.num_eval_per_level = 8 if runlocal else 128  # 3 points is ~2 standard errors at 90%
+  c.task.band = (3,) if runlocal else (3, 4)  # where accuracy before/after RL is reported
+  c.task.teacher_error_levels = c.task.band
   c.task.teacher_error_rate = 0.6
-  c.task.teacher_verbose_levels = c.task.levels
+  c.task.teacher_verbose_levels = c.task.band  # wordy only where it is unreliable
   c.task.teacher_verbose_rate = 0.65
   # The RL prompt mix: mostly short problems, a tail of long 5-digit ones.
   c.task.rl_level_weights = ({"1": 1.0, "2": 1.0, "3": 1.0} if runlocal else
                              {"1": 0.15, "2": 0.25, "3": 0.2, "4": 0.15, "5": 0.25})
-  c.task.band = (3,) if runlocal else (3, 4)  # where accuracy before/after RL is reported
 
   c.model.num_layers = 2 if runlocal else 4
   c.model.d_model = 32 if runlocal else 128
@@ -62,7 +66,8 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
 
   c.rl.prompts_per_step = 2 if runlocal else 8
   c.rl.group_size = 4 if runlocal else 8
-  c.optim.lr = 2e-4
+  c.optim.lr = 1e-4
+  c.rl.kl_coef = 0.25  # to the base (k3): keeps the solved levels (reasoning_levels.md)
   c.optim.schedule = "cosine"
   c.length.length_reward = 0.5
   c.sampler.max_prompt_len = 16
