@@ -13,7 +13,7 @@ the tokens); 1-, 2- and 5-digit problems it solves correctly and concisely. The 
 thus uncertain and wordy on the band, sure and short elsewhere. GRPO with the final-answer
 verifier and Kimi k1.5's group length reward (added after the normalisation, so its push is
 bounded by its weight) has to discover that carries matter and that the short solution is as
-good as the long one on the band, and a KL to the base (0.25) holds the levels the base solved:
+good as the long one on the band, and a KL to the base (0.1) holds the levels the base solved:
 learning the band's carries otherwise moves the addition the 5-digit answers share with it
 (experiments/results/reasoning_levels.md, route 17). Held-out greedy accuracy per level and
 the mean length of correct band completions are printed before and after RL.
@@ -66,8 +66,8 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
 
   c.rl.prompts_per_step = 2 if runlocal else 8
   c.rl.group_size = 4 if runlocal else 8
-  c.optim.lr = 1e-4
-  c.rl.kl_coef = 0.25  # to the base (k3): keeps the solved levels (reasoning_levels.md)
+  c.optim.lr = 5e-5
+  c.rl.kl_coef = 0.1  # to the base (k3): keeps the solved levels (reasoning_levels.md)
   c.optim.schedule = "cosine"
   c.length.length_reward = 0.5
   c.sampler.max_prompt_len = 16
