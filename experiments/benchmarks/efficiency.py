@@ -332,8 +332,10 @@ def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir:
   if _GROUP.value:
     common["rl.group_size"] = _GROUP.value
   if kind == "reasoning":
-    # 400 held-out band problems as on arith; plain GRPO has no length reward.
-    common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0})
+    # 400 held-out band problems as on arith; plain GRPO has no length reward and no KL
+    # (the experiment's own KL 0.1 since 8390341).
+    common.update({"task.num_eval_per_level": 200, "length.length_reward": 0.0,
+                   "rl.kl_coef": 0.0})
   elif kind == "arith":
     common.update({"task.rl_levels": (2, 3, 4, 5), "rl.prompts_per_step": _PROMPTS.value or 16})
   overrides = dict(overrides)
