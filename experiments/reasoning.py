@@ -39,7 +39,7 @@ def get_config(arg: str = "") -> mlc.ConfigDict:
   c.task.name = "column_add"
   c.task.levels = (1, 2, 3) if runlocal else (1, 2, 3, 4, 5)  # number of digits
   c.task.num_train_per_level = 200 if runlocal else 4000
-  c.task.num_eval_per_level = 8 if runlocal else 128  # 3 points is ~2 standard errors at 90%
+  c.task.num_eval_per_level = 8 if runlocal else 128  # 3 points = 4 problems (issue 37)
   c.task.band = (3,) if runlocal else (3, 4)  # where accuracy before/after RL is reported
   c.task.teacher_error_levels = c.task.band
   c.task.teacher_error_rate = 0.6
