@@ -105,12 +105,18 @@ def setup(spec: configs.RunSpec, workdir: str, *, log=print, resuming: bool = Fa
     rl_ex = mix_levels(rl_ex, task.rl_level_weights, task.seed)
   max_p = spec.sampler.max_prompt_len
   max_a = spec.sampler.max_new_tokens
+  # The pass-rate probe's completions (read from the unformatted examples), only when a
+  # probe runs and the task's reward accepts more than the answer.
+  sel, make_refs = spec.selection, registry.get_task(task.name).probe_references
+  refs = None
+  if make_refs is not None and (sel.mode in ("oracle", "probe") or sel.shadow_probe):
+    refs = [tuple(make_refs(e)) for e in rl_ex]
   fmt, special = prompt_formatter(spec, tokenizer)
   rl_ex = [{**e, "prompt": fmt(e["prompt"])} for e in rl_ex]
   eval_ex = [{**e, "prompt": fmt(e["prompt"])} for e in eval_ex]
   train_pool, train_host = tasks.tokenize_pool(rl_ex, tokenizer, max_p, max_a,
                                                task_name=f"{task.name} train",
-                                               add_special_tokens=special)
+                                               add_special_tokens=special, references=refs)
   eval_pool, eval_host = tasks.tokenize_pool(eval_ex, tokenizer, max_p, max_a,
                                              task_name=f"{task.name} eval",
                                              add_special_tokens=special)

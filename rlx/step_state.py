@@ -111,26 +111,33 @@ class StepConfig:
   # where the params are wider (f32 masters under bf16 compute). "" or the params' own
   # dtype: no copy.
   compute_dtype: str = ""
+  # The task names the completions the pass-rate probe sums (TaskDef.probe_references; the
+  # pool then carries them): the probe runs on a reward that accepts more than the answer.
+  probe_references: bool = False
 
   def __post_init__(self):
-    if self.selection.shadow_probe and self.verifier.kind != "exact_match":
+    probed = self.verifier.kind == "exact_match" or self.probe_references
+    if self.selection.shadow_probe and not probed:
       raise ValueError(f"selection.shadow_probe={self.selection.shadow_probe} needs an "
-                       f"exact-match task (its probe is the oracle's: the probability of the "
-                       f"one correct completion); this task's verifier is "
-                       f"{self.verifier.kind!r}.")
-    if self.selection.mode in ("oracle", "probe") and self.verifier.kind != "exact_match":
+                       f"exact-match task or one with probe references (its probe is the "
+                       f"oracle's: the probability of the correct completions); this task's "
+                       f"verifier is {self.verifier.kind!r} and it names none.")
+    if self.selection.mode in ("oracle", "probe") and not probed:
       raise ValueError(f"selection.mode={self.selection.mode!r} needs an exact-match task (one "
-                       f"correct completion, whose probability is the pass rate); this task's "
-                       f"verifier is {self.verifier.kind!r}.")
+                       f"correct completion, whose probability is the pass rate) or one with "
+                       f"probe references (TaskDef.probe_references: the correct completions "
+                       f"whose probabilities sum to it); this task's verifier is "
+                       f"{self.verifier.kind!r} and it names none.")
     if self.adaptive is not None:
       self.adaptive.check(self.prompts_per_step, self.group_size,
                           self.selection.dynamic_filter)
 
   @classmethod
-  def from_spec(cls, spec, *, sampling: SamplingParams, verifier: Verifier) -> StepConfig:
+  def from_spec(cls, spec, *, sampling: SamplingParams, verifier: Verifier,
+                probe_references: bool = False) -> StepConfig:
     """The step of a run's spec (`rlx.configs.RunSpec`): config.rl's keys by name (a new
     update knob is a field of RLSpec and of StepConfig of the same name), the other sections
-    as they are; `sampling` and `verifier` need the tokenizer."""
+    as they are; `sampling` and `verifier` need the tokenizer, `probe_references` the task."""
     rl = {f.name: getattr(spec.rl, f.name) for f in dataclasses.fields(spec.rl)}
     return cls(**rl, sampling=sampling, sampler_impl=spec.sampler.impl,
                paged=spec.sampler.paged if spec.sampler.impl == "paged" else None,
@@ -138,7 +145,7 @@ class StepConfig:
                reward_range=spec.guard.reward_range, verifier=verifier, lora=spec.lora,
                staleness_hist=spec.pipeline.mode == "overlap", adaptive=spec.adaptive,
                ledger_levels=tuple(sorted(set(spec.task.rl_levels or spec.task.levels))),
-               compute_dtype=spec.model.dtype)
+               compute_dtype=spec.model.dtype, probe_references=probe_references)
 
   @property
   def batch_size(self) -> int:

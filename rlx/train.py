@@ -158,14 +158,37 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
 
 
 def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: StepConfig):
-  """f32[len(ids)]: each prompt's pass rate under the current policy on an exact-match task,
-  the probability of its one correct completion (the answer tokens + EOS) at the sampling
-  temperature, from one teacher-forced forward (top-k / top-p truncation, if set, ignored)."""
+  """f32[len(ids)]: each prompt's pass rate under the current policy at the sampling
+  temperature, from teacher-forced forwards (top-k / top-p truncation, if set, ignored).
+
+  On an exact-match task it is the probability of the one correct completion (the answer
+  tokens + EOS), exactly. Where the pool carries probe references (a reward that accepts more
+  than one completion, TaskDef.probe_references) it is the sum of their probabilities, one
+  forward per reference in turn (the peak memory of one): a lower bound of the pass rate,
+  exact when no other completion passes.
+  """
   sub = pool.take(ids)
-  lp, mask = completion_logprobs(graphdef, policy_params(state, cfg), sub.prompts,
-                                 sub.prompt_lens, sub.answers, sub.answer_lens,
-                                 cfg.sampling.temperature or 1.0, chunk=cfg.logprob_chunk)
-  return jnp.exp(jnp.where(mask, lp, 0.0).sum(axis=1))
+  params = policy_params(state, cfg)
+  temperature = cfg.sampling.temperature or 1.0
+
+  def prob(completions, lens):
+    lp, mask = completion_logprobs(graphdef, params, sub.prompts, sub.prompt_lens,
+                                   completions, lens, temperature, chunk=cfg.logprob_chunk)
+    return jnp.where(lens > 0, jnp.exp(jnp.where(mask, lp, 0.0).sum(axis=1)), 0.0)
+
+  if sub.references is None:
+    return prob(sub.answers, sub.answer_lens)
+  return sum(prob(sub.references[:, r], sub.reference_lens[:, r])
+             for r in range(sub.references.shape[1]))
+
+
+def probe_tokens(sub: PromptPool):
+  """f32: the tokens the probe's forwards over `sub` read (prompt + completion, per
+  reference where the pool has them): its FLOPs in the ledger."""
+  if sub.references is None:
+    return (sub.prompt_lens + sub.answer_lens).sum().astype(jnp.float32)
+  n_refs = (sub.reference_lens > 0).sum(axis=1)
+  return (sub.prompt_lens * n_refs + sub.reference_lens.sum(axis=1)).sum().astype(jnp.float32)
 
 
 def shadow_probe(state: TrainState, pool: PromptPool, k_choose, *, graphdef,
@@ -200,7 +223,7 @@ def shadow_probe(state: TrainState, pool: PromptPool, k_choose, *, graphdef,
       "select/shadow_excluded_mixed_sum": jnp.where(excluded, mixed, 0.0).sum(),
       "select/shadow_down": f32(down.sum()),
       "select/shadow_down_mixed_sum": jnp.where(down, mixed, 0.0).sum(),
-      "ledger/shadow_probe_tokens": f32(due) * (sub.prompt_lens + sub.answer_lens).sum(),
+      "ledger/shadow_probe_tokens": f32(due) * probe_tokens(sub),
   }
 
 
@@ -210,9 +233,10 @@ def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
 
   On an exact-match task a prompt's pass rate under sampling at temperature T is the
   probability of its one correct completion (the answer tokens + EOS), which one
-  teacher-forced forward gives exactly (top-k / top-p truncation, if set, is ignored). The
-  forwards are counted in ledger/probe_tokens: the oracle's cost is FLOPs, not generated
-  tokens. Returns (ids i32[n], stats).
+  teacher-forced forward gives exactly (top-k / top-p truncation, if set, is ignored); on a
+  task with probe references, the sum of theirs (`true_pass_rate`). The forwards are counted
+  in ledger/probe_tokens: the oracle's cost is FLOPs, not generated tokens. Returns
+  (ids i32[n], stats).
   """
   k_cand, k_tie = jax.random.split(key)
   sc = cfg.selection
@@ -227,7 +251,7 @@ def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
   ids = selection.oracle_pick(p, cand, n, cfg.group_size, k_tie)
   picked = jnp.isin(cand, ids)
   stats = {
-      "ledger/probe_tokens": (sub.prompt_lens + sub.answer_lens).sum().astype(jnp.float32),
+      "ledger/probe_tokens": probe_tokens(sub),
       "select/oracle_pass_rate": jnp.where(picked, p, 0.0).sum() / n,
       "select/oracle_mixed_prob": jnp.where(
           picked, selection.mixed_group_prob(p, cfg.group_size), 0.0).sum() / n,

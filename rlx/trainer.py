@@ -48,8 +48,9 @@ def step_config(spec: configs.RunSpec, tokenizer) -> train.StepConfig:
   stop_ids = tuple(getattr(tokenizer, "stop_ids", ()) or ())
   sampling = spec.sampler.sampling(eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                    stop_ids=stop_ids)
-  return train.StepConfig.from_spec(spec, sampling=sampling,
-                                    verifier=registry.verifier_for(spec.task, tokenizer))
+  return train.StepConfig.from_spec(
+      spec, sampling=sampling, verifier=registry.verifier_for(spec.task, tokenizer),
+      probe_references=registry.get_task(spec.task.name).probe_references is not None)
 
 
 def dtype_note(spec: configs.RunSpec) -> str:

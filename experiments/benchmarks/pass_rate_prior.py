@@ -20,6 +20,11 @@ estimates, on prompts the estimators never saw:
        probe k + bucket  k samples of the prompt itself (its first k), shrunk towards the
                  bucket's rate with 2 pseudo-samples: what a first sampling round
                  (rlx.rl.adaptive) knows; not free, k samples are generated
+       teacher-forced probe  the probability of the prompt's correct completions at the
+                 sampling temperature (rlx.train.true_pass_rate, what selection.mode=probe
+                 ranks by): exact on an exact-match task, on a task with probe references
+                 (TaskDef.probe_references) the sum over them, a lower bound; nothing fitted,
+                 one forward per reference, no generation
      and, for selection only, the bucket's spread-aware score: its prompts' mean unbiased
      group variance E[p(1-p)] (what selection.bucket_score=spread tracks) rather than p(1-p)
      at its mean pass rate.
@@ -159,13 +164,41 @@ def collect(config, workdir):
         setup.exp.graphdef, params, jnp.asarray(prompts[s:s + 64]),
         jnp.asarray(lens[s:s + 64]), temp)])
   ent, logtop, nll = (np.concatenate([f[k] for f in feats]) for k in range(3))
+  tf_probe = teacher_forced_probe(setup, state, ids)
   # Rewards of each prompt's first group (a prompt drawn again adds its groups to the sums).
   first = np.stack([per[i]["r"][0] for i in ids])
   return {"k": np.array([np.concatenate(per[i]["r"]).sum() for i in ids]),
           "n": np.array([sum(len(x) for x in per[i]["r"]) for i in ids], float),
           "first": first, "bucket": np.array([per[i]["bucket"] for i in ids]),
           "len": lens.astype(float),
-          "entropy": ent, "log_top": logtop, "nll": nll}
+          "entropy": ent, "log_top": logtop, "nll": nll, "tf_probe": tf_probe}
+
+
+def teacher_forced_probe(setup, state, ids):
+  """f64[len(ids)]: rlx.train.true_pass_rate of the pool's prompts `ids` (see module doc);
+  a task's probe references are tokenized here when the run's config did not ask for them."""
+  from rlx import train  # pylint: disable=g-import-not-at-top
+  from rlx.data import registry, tasks  # pylint: disable=g-import-not-at-top
+  exp, cfg = setup.exp, setup.step_cfg
+  pool = exp.train_pool
+  make_refs = registry.get_task(setup.spec.task.name).probe_references
+  if make_refs is not None and pool.references is None:
+    if setup.spec.task.instruction != "{prompt}":
+      raise ValueError(f"task.instruction={setup.spec.task.instruction!r}: the probe references "
+                       f"are made from the pool's prompt texts, which must be the problems.")
+    refs, lens = tasks.tokenize_references(
+        [tuple(make_refs({"prompt": p})) for p in exp.train_host.prompts], exp.tokenizer,
+        setup.spec.sampler.max_new_tokens, pool.size, "probe references")
+    pool = pool.replace(references=refs, reference_lens=lens)
+  elif make_refs is None and cfg.verifier.kind != "exact_match":
+    return np.full(len(ids), np.nan)
+  fn = jax.jit(lambda params, pool, i: train.true_pass_rate(
+      state.replace(params=params), pool, i, graphdef=exp.graphdef, cfg=cfg))
+  params = jax.device_get(state.params)
+  ids = np.asarray(ids, np.int32)
+  out = [np.asarray(fn(params, pool, jnp.asarray(np.resize(ids[s:s + 64], 64))))[
+      :len(ids[s:s + 64])] for s in range(0, len(ids), 64)]
+  return np.concatenate(out).astype(np.float64)
 
 
 def fit_logistic(x_NxF, k_N, n_N, l2=1e-2, iters=50):
@@ -213,6 +246,8 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
   buckets = np.unique(d["bucket"])
   probes = [f"probe {k} + bucket" for k in (1, 2, 4)]
   names = ["flat", "global", "bucket", "features", "bucket+features"] + probes
+  if "tf_probe" in d and np.isfinite(d["tf_probe"]).all():
+    names.append("teacher-forced probe")
   mse = {m: [] for m in names}
   chosen = {m: [] for m in names + ["bucket, spread-aware", "random", "oracle"]}
   var, noise = [], []
@@ -243,6 +278,8 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
       est[name] = 1 / (1 + np.exp(-(xt @ w)))
     for name, k in zip(probes, (1, 2, 4)):
       est[name] = (d["first"][test, :k].sum(1) + PSEUDO * est["bucket"]) / (k + PSEUDO)
+    if "teacher-forced probe" in names:
+      est["teacher-forced probe"] = d["tf_probe"][test]
     keep = max(1, int(round(keep_frac * len(test))))
     truth = mixed(pt, g)
     for m in names:
@@ -261,7 +298,9 @@ def evaluate(d, rng, splits: int, g: int, keep_frac: float):
           "chosen": {m: (float(np.mean(v)), float(np.std(v))) for m, v in chosen.items()},
           "by_bucket": {int(b): (int((d["bucket"] == b).sum()),
                                  float(phat[d["bucket"] == b].mean()),
-                                 float(phat[d["bucket"] == b].std()))
+                                 float(phat[d["bucket"] == b].std()),
+                                 float(np.mean(d["tf_probe"][d["bucket"] == b]))
+                                 if "tf_probe" in d else float("nan"))
                         for b in buckets}}
 
 
@@ -269,9 +308,10 @@ def report(r, title):
   lines = [f"{title}: {r['prompts']} prompts x {r['samples_per_prompt']:.0f} samples, mean "
            f"pass rate {r['mean_pass']:.3f}; {_SPLITS.value} random half / half splits "
            f"(mean +- sd over splits).", "",
-           "| bucket | prompts | mean p^ | sd of p^ across prompts |", "|---|---|---|---|"]
-  for b, (n, m, s) in r["by_bucket"].items():
-    lines.append(f"| {b} | {n} | {m:.3f} | {s:.3f} |")
+           "| bucket | prompts | mean p^ | sd of p^ across prompts | mean teacher-forced probe |",
+           "|---|---|---|---|---|"]
+  for b, (n, m, s, tf) in r["by_bucket"].items():
+    lines.append(f"| {b} | {n} | {m:.3f} | {s:.3f} | {tf:.3f} |")
   v, z = r["var"], r["noise"]
   lines += ["", f"Held-out truth p^: each prompt's samples after its first {PROBE} (which only "
             f"the probe estimators see). Var(p^) over held-out prompts {v:.4f}, of which "

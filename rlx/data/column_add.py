@@ -105,6 +105,18 @@ def parse_final_answer(completion: str) -> str | None:
   return None if i < 0 else completion[i + len(MARKER):]
 
 
+def correct_solutions(prompt: str) -> tuple[str, str]:
+  """The two correct worked solutions of the prompt "a+b=" (concise, verbose): the completions
+  a model warm-started on this task writes when it is right, whose probabilities the
+  pass-rate probe sums (TaskDef.probe_references)."""
+  head, _, rest = prompt.partition("+")
+  if not (head.isdigit() and rest.endswith("=") and rest[:-1].isdigit()):
+    raise ValueError(f"column_add prompt {prompt!r}; expected 'a+b=' with decimal a and b.")
+  a, b = int(head), int(rest[:-1])
+  cols = columns(a, b)
+  return format_solution(a, b, cols), format_solution(a, b, cols, verbose=True)
+
+
 def has_carry(a: int, b: int) -> bool:
   return any(c.carry_in for c in columns(a, b))
 

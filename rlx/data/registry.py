@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import io
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlx.errors import ConfigError
 
@@ -59,6 +59,12 @@ class TaskDef:
     or a Python reward name (rlx.rewards).
   tokenizer_symbols: strings a tokenizer trained for the task keeps as one token each.
   difficulty: what a level means (for messages).
+  probe_references: example -> the completions whose probabilities the pass-rate probe
+    (selection.mode oracle / probe, selection.shadow_probe) sums as the example's pass rate,
+    the same number for every example: for a reward that accepts more than one completion,
+    the ones a model of the task writes (each must pass; the sum is then a lower bound, exact
+    when no other completion passes). None: only an exact-match task can be probed (its
+    answer is its one correct completion).
   """
 
   load: Callable[[TaskSpec, str], tuple[Examples, Examples]]
@@ -69,6 +75,7 @@ class TaskDef:
   reward: str = "exact_match"
   tokenizer_symbols: tuple[str, ...] = ()
   difficulty: str = "level"
+  probe_references: Callable[[dict], Sequence[str]] | None = None
 
   def __post_init__(self):
     from rlx.data.tasks import VERIFIERS  # pylint: disable=g-import-not-at-top
@@ -194,6 +201,11 @@ def _load_column_add(task: TaskSpec, data_dir: str) -> tuple[Examples, Examples]
   return column_add.read_all(sources["train"]), column_add.read_all(sources["eval"])
 
 
+def _column_add_references(example: dict) -> tuple[str, str]:
+  from rlx.data import column_add  # pylint: disable=g-import-not-at-top
+  return column_add.correct_solutions(example["prompt"])
+
+
 def op_chains_spec(task: TaskSpec):
   """The op-chains dataset config.task describes (levels: 1 + op class, see op_chains)."""
   from rlx.data import op_chains  # pylint: disable=g-import-not-at-top
@@ -240,7 +252,7 @@ register_task("arithmetic", TaskDef(
 register_task("column_add", TaskDef(
     load=_load_column_add, cache_key=_asdict(column_add_spec), warm_start=True,
     verifier="final_answer", answer_marker="=>", tokenizer_symbols=("=>",),
-    difficulty="number of digits"))
+    difficulty="number of digits", probe_references=_column_add_references))
 register_task("op_chains", TaskDef(
     load=_load_op_chains, cache_key=_asdict(op_chains_spec), warm_start=True,
     # op_chains.OP_SYMBOLS (not imported here: it pulls in TFDS): one token per operator.

@@ -41,6 +41,11 @@ class PromptPool:
   answers: jax.Array
   answer_lens: jax.Array
   difficulty: jax.Array
+  # The pass-rate probe's completions where a task's reward accepts more than the answer
+  # (TaskDef.probe_references): i32[N, R, L] token ids (+ EOS), their lengths i32[N, R]
+  # (0: no such reference). None: the answer is the one correct completion (exact match).
+  references: jax.Array | None = None
+  reference_lens: jax.Array | None = None
 
   @property
   def size(self) -> int:
@@ -65,7 +70,9 @@ class HostExamples:
 
 def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len: int,
                   max_answer_len: int, *, task_name: str = "task",
-                  add_special_tokens: bool = True) -> tuple[PromptPool, HostExamples]:
+                  add_special_tokens: bool = True,
+                  references: Sequence[Sequence[str]] | None = None
+                  ) -> tuple[PromptPool, HostExamples]:
   """Tokenizes examples ({'prompt', 'answer', 'difficulty'}) into a PromptPool (numpy).
 
   The answers array is as wide as the longest answer (+ EOS); max_answer_len caps it (the
@@ -99,11 +106,39 @@ def tokenize_pool(examples: Sequence[dict], tokenizer: Tokenizer, max_prompt_len
   answer_lens = np.asarray([len(a) for a in answer_ids], np.int32)
   for i, a in enumerate(answer_ids):
     answers[i, :len(a)] = a
+  refs = ref_lens = None
+  if references is not None:
+    refs, ref_lens = tokenize_references(references, tokenizer, max_answer_len, n, task_name)
   pool = PromptPool(prompts=prompts, prompt_lens=prompt_lens, answers=answers,
-                    answer_lens=answer_lens, difficulty=difficulty)
+                    answer_lens=answer_lens, difficulty=difficulty, references=refs,
+                    reference_lens=ref_lens)
   host = HostExamples(prompts=[ex["prompt"] for ex in examples],
                       answers=[ex["answer"] for ex in examples], difficulty=difficulty)
   return pool, host
+
+
+def tokenize_references(references, tokenizer: Tokenizer, max_answer_len: int, n: int,
+                         task_name: str) -> tuple[np.ndarray, np.ndarray]:
+  if len(references) != n or len({len(r) for r in references}) > 1 or not references[0]:
+    raise ValueError(f"{task_name}: the probe references have counts "
+                     f"{sorted({len(r) for r in references})} for {len(references)} examples; "
+                     f"expected the same number (>= 1) for each of the {n} examples.")
+  ids = []
+  for refs in references:
+    seen, row = set(), []
+    for text in refs:
+      t = tuple(tokenizer.encode(text)) + (tokenizer.eos_id,)
+      row.append(t if len(t) <= max_answer_len and t not in seen else ())
+      seen.add(t)
+    ids.append(row)
+  width = max(1, max(len(t) for row in ids for t in row))
+  out = np.full((n, len(ids[0]), width), tokenizer.pad_id, np.int32)
+  lens = np.zeros((n, len(ids[0])), np.int32)
+  for i, row in enumerate(ids):
+    for r, t in enumerate(row):
+      out[i, r, :len(t)] = t
+      lens[i, r] = len(t)
+  return out, lens
 
 
 def exact_match_reward(completions_BxT, answers_BxA, answer_lens_B):

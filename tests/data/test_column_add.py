@@ -170,3 +170,20 @@ def test_builder_is_cached_and_deterministic(built, tmp_path):
   spec, train, _ = built
   again = ca.read_all(ca.build(spec, str(tmp_path))["train"])
   assert sorted(map(str, again)) == sorted(map(str, train))
+
+
+def test_correct_solutions_are_the_two_styles_and_pass_the_verifier():
+  """The probe's references (TaskDef.probe_references): the concise solution the examples
+  carry and the verbose one, both with the true answer; a prompt that is not 'a+b=' is one
+  clear error."""
+  from rlx.data import registry
+  ex = ca.make_example(4821, 3907, 4)
+  concise, verbose = ca.correct_solutions(ex["prompt"])
+  assert concise == ex["solution"]
+  assert verbose == ca.make_example(4821, 3907, 4, verbose=True)["teacher_answer"]
+  for text in (concise, verbose):
+    assert ca.parse_final_answer(text) == "8728"
+    assert check_solution(4821, 3907, text) == 8728
+  assert registry.get_task("column_add").probe_references(ex) == (concise, verbose)
+  with pytest.raises(ValueError, match=r"'4821\*3907='; expected 'a\+b='"):
+    ca.correct_solutions("4821*3907=")

@@ -110,3 +110,24 @@ def test_verifier_dispatch_and_pool_answer_width():
     Verifier("fuzzy")
   with pytest.raises(ValueError, match="needs the marker's token ids"):
     Verifier("final_answer")
+
+
+def test_pool_probe_references_are_tokenized_with_eos_deduplicated_and_capped():
+  """tokenize_pool(references=...): each example's probe completions (+ EOS) in
+  pool.references, a repeat of an earlier one or one longer than max_answer_len absent
+  (length 0); unequal counts are one clear error."""
+  tok = train_sentencepiece(["12+34=1+4=5|3|5;2+3=5||55;=>46"] * 20, 40, symbols=("=>",))
+  examples = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "1+2=", "answer": "3"}]
+  refs = [("2+4=6||6;=>46", "2+4=6||6;=>46"), ("=>3", "1+2=3||3;" * 30 + "=>3")]
+  pool, _ = tokenize_pool(examples, tok, max_prompt_len=8, max_answer_len=40,
+                          references=refs)
+  first = tok.encode("2+4=6||6;=>46") + [tok.eos_id]
+  assert pool.references.shape[:2] == (2, 2)
+  assert pool.reference_lens.tolist() == [[len(first), 0], [len(tok.encode("=>3")) + 1, 0]]
+  assert pool.references[0, 0, :len(first)].tolist() == first
+  assert pool.take(np.array([1])).reference_lens.tolist() == [[len(tok.encode("=>3")) + 1, 0]]
+  plain, _ = tokenize_pool(examples, tok, max_prompt_len=8, max_answer_len=40)
+  assert plain.references is None and plain.reference_lens is None
+  with pytest.raises(ValueError, match=r"probe references have counts \[1, 2\]"):
+    tokenize_pool(examples, tok, max_prompt_len=8, max_answer_len=40,
+                  references=[("=>46",), ("=>3", "3=>3")])

@@ -208,3 +208,60 @@ def test_shadow_probe_needs_history_or_skip_and_an_exact_match_task():
                      sampling=SamplingParams(max_new_tokens=4),
                      selection=selection.SelectionConfig(mode="skip", shadow_probe=8),
                      verifier=Verifier("final_answer", (5,)))
+
+
+def _with_references(pool, rng, n_refs=3, width=6):
+  """The pool with random probe references: per prompt n_refs completions ending in EOS (3),
+  the last one absent (length 0) for every other prompt."""
+  n = pool.size
+  refs = np.zeros((n, n_refs, width), np.int32)
+  lens = rng.integers(2, width + 1, (n, n_refs)).astype(np.int32)
+  lens[::2, -1] = 0
+  for i in range(n):
+    for r in range(n_refs):
+      if lens[i, r]:
+        refs[i, r, :lens[i, r] - 1] = rng.integers(4, CFG.vocab_size, lens[i, r] - 1)
+        refs[i, r, lens[i, r] - 1] = 3
+  return pool.replace(references=jnp.asarray(refs), reference_lens=jnp.asarray(lens))
+
+
+def test_probe_references_sum_their_probabilities_and_count_their_tokens():
+  """A task whose reward accepts several completions (TaskDef.probe_references): the pass
+  rate is the sum of the references' probabilities, each from an unpadded forward in numpy;
+  an absent reference adds nothing, and the probe counts prompt + reference per reference."""
+  rng = np.random.default_rng(7)
+  pool = _with_references(_pool(rng, 10), rng)
+  graphdef, params = init_params(CFG, 0)
+  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
+                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  cfg = train.StepConfig(
+      prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
+      loss=LossConfig(), sampling=SamplingParams(max_new_tokens=6, temperature=0.8),
+      selection=selection.SelectionConfig(mode="oracle", oracle_candidates=0),
+      verifier=Verifier("final_answer", (5,)), probe_references=True)
+  got = train.true_pass_rate(state, pool, jnp.arange(10), graphdef=graphdef, cfg=cfg)
+  want, tokens = [], 0
+  for i in range(10):
+    prompt = np.asarray(pool.prompts[i, 5 - int(pool.prompt_lens[i]):])
+    total = 0.0
+    for r in range(3):
+      n = int(pool.reference_lens[i, r])
+      if n:
+        total += _reference_pass_rate(graphdef, params, prompt,
+                                      np.asarray(pool.references[i, r, :n]), 0.8)
+        tokens += len(prompt) + n
+    want.append(total)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=1e-7)
+  _, stats = train.oracle_choose(state, pool, jax.random.key(0), 2, graphdef=graphdef, cfg=cfg)
+  assert float(stats["ledger/probe_tokens"]) == tokens
+
+
+def test_a_final_answer_task_is_probed_only_with_references():
+  kw = dict(prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1,
+            num_minibatches=1, loss=LossConfig(), sampling=SamplingParams(max_new_tokens=4),
+            verifier=Verifier("final_answer", (5,)))
+  for sel in (selection.SelectionConfig(mode="probe"),
+              selection.SelectionConfig(mode="history", shadow_probe=4)):
+    with pytest.raises(ValueError, match="names none"):
+      train.StepConfig(selection=sel, **kw)
+    assert train.StepConfig(selection=sel, probe_references=True, **kw).probe_references
