@@ -44,7 +44,8 @@ digits). Accuracy is greedy, held-out, on the band.
          pass rate, probed by teacher forcing; not a lever but the headroom any selection
          could reach (its probes are FLOPs, counted in the FLOPs column, not generated tokens)
   E      the probe lever (selection.mode=probe): the oracle's probe on probe_factor (8) x
-         the prompts per step, the likeliest to give mixed groups sampled (exact-match tasks;
+         the prompts per step, the likeliest to give mixed groups sampled (exact-match tasks
+         and tasks with probe references, e.g. reasoning;
          = X with oracle_candidates = 8 x prompts_per_step, without dynamic filtering)
   P<k>   k fresh prompts per step (e.g. S+P8): each arm's own batch shape
   R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each

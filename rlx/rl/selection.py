@@ -32,17 +32,21 @@ Modes (`SelectionConfig.mode`):
   oracle   a measuring instrument, not a lever: `oracle_candidates` prompts drawn uniformly
            are scored by their *true* current pass rate p, the probability of the task's one
            correct completion under the current policy (teacher-forced log-prob of the
-           exact-match answer, rlx.train.oracle_choose), and the n with the highest chance of
+           exact-match answer, rlx.train.oracle_choose; on a task whose reward accepts more,
+           the sum over the correct completions it names, TaskDef.probe_references, a lower
+           bound), and the n with the highest chance of
            a mixed group, 1 - p^G - (1-p)^G, are sampled. The probe forwards are counted in
            ledger/probe_tokens (FLOPs), not in generated tokens. It bounds what any
            history-based selection can win on a task (issue 36's headroom measurement).
-  probe    the oracle's probe as a lever (exact-match tasks): `probe_factor` x the prompts
+  probe    the oracle's probe as a lever (exact-match tasks and tasks with probe
+           references): `probe_factor` x the prompts
            sampled per step are drawn uniformly as candidates, each scored by one
            teacher-forced forward (prefill only, no generated token), and the n most likely
            to give a mixed group are sampled. It is the pre-rollout pass-rate prediction of
            GRESO (Li et al. 2025, arXiv 2506.02177) and MoPPS (Qu et al. 2025), here exact
            instead of estimated from history, and it costs candidates' prefill, not rollouts.
-           Its price is probe_factor x (prompt + answer) prefill tokens per prompt sampled.
+           Its price is probe_factor x (prompt + answer) prefill tokens per prompt sampled
+           (per reference where a task names several).
            Against the tuned plain GRPO, at factor 8: op-chains 4.78x fewer generated tokens
            to target and 2.12x less compute; arithmetic 1.43x fewer tokens at 1.85x the
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
