@@ -164,8 +164,8 @@ def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: S
   On an exact-match task it is the probability of the one correct completion (the answer
   tokens + EOS), exactly. Where the pool carries probe references (a reward that accepts more
   than one completion, TaskDef.probe_references) it is the sum of their probabilities, one
-  forward per reference in turn (the peak memory of one): a lower bound of the pass rate,
-  exact when no other completion passes.
+  forward per reference in turn (the peak memory of one forward): a lower bound of the pass
+  rate, exact when no other completion passes.
   """
   sub = pool.take(ids)
   params = policy_params(state, cfg)
@@ -178,8 +178,10 @@ def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: S
 
   if sub.references is None:
     return prob(sub.answers, sub.answer_lens)
-  return sum(prob(sub.references[:, r], sub.reference_lens[:, r])
-             for r in range(sub.references.shape[1]))
+  # One reference at a time (lax.map: one forward compiled, never two in memory at once).
+  per_ref = jax.lax.map(lambda x: prob(*x), (jnp.moveaxis(sub.references, 1, 0),
+                                             jnp.moveaxis(sub.reference_lens, 1, 0)))
+  return per_ref.sum(axis=0)
 
 
 def probe_tokens(sub: PromptPool):
