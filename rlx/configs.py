@@ -296,7 +296,8 @@ def defaults() -> mlc.ConfigDict:
   c.selection.history_wrong_weight = 0.25
   # history / skip: probe this many uniform prompts' true pass rates every shadow_every steps
   # and log how often the rule's excluded ones would have given a mixed group (exact-match
-  # tasks; rlx.train.shadow_probe). 0: off.
+  # tasks and tasks naming their correct completions, TaskDef.probe_references;
+  # rlx.train.shadow_probe). 0: off.
   c.selection.shadow_probe = 0
   c.selection.shadow_every = 10
   c.selection.skip_keep_base = 0.25
@@ -305,14 +306,16 @@ def defaults() -> mlc.ConfigDict:
   # band mode, unvisited prompts: "mean" (4 p(1-p) at the bucket's mean pass rate) or
   # "spread" (4 E[p(1-p)] over the bucket's groups; see rlx.rl.selection).
   c.selection.bucket_score = "mean"
-  # oracle (exact-match tasks): this many prompts drawn uniformly are probed by a
-  # teacher-forced forward each step and the n most likely to give a mixed group sampled.
+  # oracle (exact-match tasks, or with probe references): this many prompts drawn uniformly
+  # are probed by a teacher-forced forward each step and the n most likely to give a mixed
+  # group sampled.
   # 256 (or 0: the whole pool) measures the headroom; 4x prompts_per_step is the cheap lever
   # (experiments/results/efficiency_chains.md).
   c.selection.oracle_candidates = 256
-  # probe (exact-match tasks): the oracle's probe as a lever, on probe_factor x the prompts
-  # sampled per step (x oversample with dynamic_filter). At 8: 4.78x fewer tokens to target
-  # on op-chains at 2.12x less compute, but 1.85x the compute on arithmetic (rlx.rl.selection).
+  # probe (exact-match tasks, or with probe references): the oracle's probe as a lever, on
+  # probe_factor x the prompts sampled per step (x oversample with dynamic_filter). At 8:
+  # 4.78x fewer tokens to target on op-chains at 2.12x less compute, but 1.85x the compute
+  # on arithmetic, and more tokens on reasoning (rlx.rl.selection).
   c.selection.probe_factor = 8
 
   c.replay = mlc.ConfigDict()

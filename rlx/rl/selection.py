@@ -50,9 +50,12 @@ Modes (`SelectionConfig.mode`):
            Against the tuned plain GRPO, at factor 8: op-chains 4.78x fewer generated tokens
            to target and 2.12x less compute; arithmetic 1.43x fewer tokens at 1.85x the
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
-           after, 1.20x at 2.35x the compute. It pays where many steps go to groups without
+           after, 1.20x at 2.35x the compute; reasoning (column addition, probed through its
+           two correct solutions) ~0.7x: its uncertain prompts are its long ones, and tuned
+           GRPO there learns in ~7 steps. It pays where many steps go to groups without
            signal, not where the base learns in a few dozen steps (experiments/results/
-           efficiency_chains.md, efficiency_probe_arith.md, efficiency_sort_digits.md).
+           efficiency_chains.md, efficiency_probe_arith.md, efficiency_sort_digits.md,
+           efficiency_probe_reasoning.md).
 Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
 arXiv 2503.14476): sample `oversample` x the needed groups, keep groups with non-zero
 reward variance first; the discarded rollouts are still counted in the token ledger.
