@@ -95,3 +95,25 @@ def test_the_spread_aware_bucket_score_sees_a_buckets_spread():
   # Spread-aware picks bucket 0 (the oracle also picks within it: the highest p^ there).
   assert chosen["bucket, spread-aware"] > chosen["oracle"] - 0.1
   assert chosen["bucket"] < 0.3  # the mean alone prefers bucket 1
+
+
+def test_the_teacher_forced_probe_is_scored_beside_the_others():
+  """With each prompt's true pass rate as the teacher-forced probe (what it is on an
+  exact-match task), its error is the held-out samples' binomial noise and it selects like
+  the oracle, while the bucket cannot see a bucket split between 0.02 and 0.98; a run without
+  the probe (NaN: a task it cannot read) leaves it out of the table."""
+  rng = np.random.default_rng(6)
+  d = _data(rng, 1200, [0.5, 0.5], True)
+  p = np.where(rng.random(1200) < 0.5, 0.02, 0.5)
+  r = rng.random((1200, 16)) < p[:, None]
+  d.update(first=r.astype(float), k=r.sum(1).astype(float), tf_probe=p)
+  out = prior.evaluate(d, np.random.default_rng(7), splits=5, g=8, keep_frac=0.25)
+  mse = {m: v[0] for m, v in out["mse"].items()}
+  chosen = {m: v[0] for m, v in out["chosen"].items()}
+  assert mse["teacher-forced probe"] < 1.3 * out["noise"] < mse["bucket"]
+  assert abs(chosen["teacher-forced probe"] - chosen["oracle"]) < 0.05
+  assert chosen["teacher-forced probe"] > chosen["bucket"] + 0.2
+  assert out["by_bucket"][0][3] == np.mean(p[d["bucket"] == 0])
+  d["tf_probe"] = np.full(1200, np.nan)
+  assert "teacher-forced probe" not in prior.evaluate(
+      d, np.random.default_rng(7), splits=2, g=8, keep_frac=0.25)["mse"]
