@@ -177,15 +177,17 @@ def collect(config, workdir):
 def teacher_forced_probe(setup, state, ids):
   """f64[len(ids)]: rlx.train.true_pass_rate of the pool's prompts `ids` (see module doc);
   a task's probe references are tokenized here when the run's config did not ask for them."""
-  from rlx import train  # pylint: disable=g-import-not-at-top
+  from rlx import experiment, train  # pylint: disable=g-import-not-at-top
   from rlx.data import registry, tasks  # pylint: disable=g-import-not-at-top
   exp, cfg = setup.exp, setup.step_cfg
   pool = exp.train_pool
   make_refs = registry.get_task(setup.spec.task.name).probe_references
   if make_refs is not None and pool.references is None:
-    if setup.spec.task.instruction != "{prompt}":
-      raise ValueError(f"task.instruction={setup.spec.task.instruction!r}: the probe references "
-                       f"are made from the pool's prompt texts, which must be the problems.")
+    fmt, _ = experiment.prompt_formatter(setup.spec, exp.tokenizer)
+    if fmt("1+2=") != "1+2=":  # an instruction or chat template wraps the problems
+      raise ValueError("the probe references are made from the pool's prompt texts, which "
+                       "must be the bare problems: run without task.instruction and "
+                       "tokenizer.chat_template.")
     refs, lens = tasks.tokenize_references(
         [tuple(make_refs({"prompt": p})) for p in exp.train_host.prompts], exp.tokenizer,
         setup.spec.sampler.max_new_tokens, pool.size, "probe references")
@@ -194,9 +196,9 @@ def teacher_forced_probe(setup, state, ids):
     return np.full(len(ids), np.nan)
   fn = jax.jit(lambda params, pool, i: train.true_pass_rate(
       state.replace(params=params), pool, i, graphdef=exp.graphdef, cfg=cfg))
-  params = jax.device_get(state.params)
+  pool = jax.device_put(pool)  # once, not with every batch of 64
   ids = np.asarray(ids, np.int32)
-  out = [np.asarray(fn(params, pool, jnp.asarray(np.resize(ids[s:s + 64], 64))))[
+  out = [np.asarray(fn(state.params, pool, jnp.asarray(np.resize(ids[s:s + 64], 64))))[
       :len(ids[s:s + 64])] for s in range(0, len(ids), 64)]
   return np.concatenate(out).astype(np.float64)
 
