@@ -51,8 +51,9 @@ Modes (`SelectionConfig.mode`):
            to target and 2.12x less compute; arithmetic 1.43x fewer tokens at 1.85x the
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
            after, 1.20x at 2.35x the compute; reasoning (column addition, probed through its
-           two correct solutions) ~0.7x: its uncertain prompts are its long ones, and tuned
-           GRPO there learns in ~7 steps. It pays where many steps go to groups without
+           two correct solutions) 0.74x on a 700-step warm start whose uncertain prompts were
+           its long, off-band ones, and a two-seed pilot 1.29x on the shipped 1200-step
+           one (not yet the tuned comparison). It pays where many steps go to groups without
            signal, not where the base learns in a few dozen steps (experiments/results/
            efficiency_chains.md, efficiency_probe_arith.md, efficiency_sort_digits.md,
            efficiency_probe_reasoning.md).
