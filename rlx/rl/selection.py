@@ -52,11 +52,12 @@ Modes (`SelectionConfig.mode`):
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
            after, 1.20x at 2.35x the compute; reasoning (column addition, probed through its
            two correct solutions) 0.74x on a 700-step warm start whose uncertain prompts were
-           its long, off-band ones, and a two-seed pilot 1.29x on the shipped 1200-step
-           one (not yet the tuned comparison). It pays where many steps go to groups without
-           signal, not where the base learns in a few dozen steps (experiments/results/
-           efficiency_chains.md, efficiency_probe_arith.md, efficiency_sort_digits.md,
-           efficiency_probe_reasoning.md).
+           its long, off-band ones, and 0.87x on the shipped 1200-step one, where its picks
+           are all band groups but the task is step-limited (plain GRPO needs < 1 mixed band
+           group per step) and band answers are the long ones. It pays where many steps go
+           to groups without signal, not where the base learns in a few dozen steps
+           (experiments/results/efficiency_chains.md, efficiency_probe_arith.md,
+           efficiency_sort_digits.md, efficiency_probe_reasoning.md).
 Independently, `dynamic_filter` is DAPO's dynamic sampling (Yu et al. 2025,
 arXiv 2503.14476): sample `oversample` x the needed groups, keep groups with non-zero
 reward variance first; the discarded rollouts are still counted in the token ledger.
