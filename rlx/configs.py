@@ -317,6 +317,10 @@ def defaults() -> mlc.ConfigDict:
   # 4.78x fewer tokens to target on op-chains at 2.12x less compute, but 1.85x the compute
   # on arithmetic; reasoning 0.87x on today's warm start, 0.74x on the old (rlx.rl.selection).
   c.selection.probe_factor = 8
+  # oracle / probe: rank the candidates by the chance of a mixed group ("mixed") or by that
+  # chance per expected generated token ("mixed_per_token": where uncertain prompts are the
+  # long ones; experiments/results/efficiency_probe_reasoning.md).
+  c.selection.probe_score = "mixed"
 
   c.replay = mlc.ConfigDict()
   c.replay.enabled = False

@@ -157,7 +157,8 @@ def generate(state: TrainState, pool: PromptPool, *, graphdef, cfg: StepConfig,
   return state.replace(rng=jax.random.key_data(rng)), Rollouts(batch, stats, valid), rewards
 
 
-def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: StepConfig):
+def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: StepConfig,
+                   with_length: bool = False):
   """f32[len(ids)]: each prompt's pass rate under the current policy at the sampling
   temperature, from teacher-forced forwards (top-k / top-p truncation, if set, ignored).
 
@@ -166,6 +167,11 @@ def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: S
   than one completion, TaskDef.probe_references) it is the sum of their probabilities, one
   forward per reference in turn (the peak memory of one forward): a lower bound of the pass
   rate, exact when no other completion passes.
+
+  with_length: also f32[len(ids)], each prompt's expected completion length (tokens + EOS):
+  the answer's length on an exact-match task; with references, their lengths weighted by
+  their probabilities (the length of a correct sample, which a task whose answers follow one
+  format also takes for a wrong one), their mean where every probability is 0.
   """
   sub = pool.take(ids)
   params = policy_params(state, cfg)
@@ -177,11 +183,18 @@ def true_pass_rate(state: TrainState, pool: PromptPool, ids, *, graphdef, cfg: S
     return jnp.where(lens > 0, jnp.exp(jnp.where(mask, lp, 0.0).sum(axis=1)), 0.0)
 
   if sub.references is None:
-    return prob(sub.answers, sub.answer_lens)
+    p = prob(sub.answers, sub.answer_lens)
+    return (p, sub.answer_lens.astype(jnp.float32)) if with_length else p
   # One reference at a time (lax.map: one forward compiled, never two in memory at once).
   per_ref = jax.lax.map(lambda x: prob(*x), (jnp.moveaxis(sub.references, 1, 0),
-                                             jnp.moveaxis(sub.reference_lens, 1, 0)))
-  return per_ref.sum(axis=0)
+                                             jnp.moveaxis(sub.reference_lens, 1, 0))).T
+  p = per_ref.sum(axis=1)
+  if not with_length:
+    return p
+  lens, named = sub.reference_lens.astype(jnp.float32), sub.reference_lens > 0
+  mean_len = jnp.where(named, lens, 0.0).sum(axis=1) / jnp.maximum(named.sum(axis=1), 1)
+  weighted = (per_ref * lens).sum(axis=1) / jnp.where(p > 0, p, 1.0)
+  return p, jnp.where(p > 0, weighted, mean_len)
 
 
 def probe_tokens(sub: PromptPool):
@@ -249,11 +262,13 @@ def oracle_choose(state: TrainState, pool: PromptPool, key, n: int, *, graphdef,
   else:
     cand = jnp.arange(pool.size, dtype=jnp.int32)
   sub = pool.take(cand)
-  p = true_pass_rate(state, pool, cand, graphdef=graphdef, cfg=cfg)
-  ids = selection.oracle_pick(p, cand, n, cfg.group_size, k_tie)
+  p, length = true_pass_rate(state, pool, cand, graphdef=graphdef, cfg=cfg, with_length=True)
+  ids = selection.oracle_pick(p, cand, n, cfg.group_size, k_tie,
+                              length if sc.probe_score == "mixed_per_token" else None)
   picked = jnp.isin(cand, ids)
   stats = {
       "ledger/probe_tokens": probe_tokens(sub),
+      "select/oracle_expected_len": jnp.where(picked, length, 0.0).sum() / n,
       "select/oracle_pass_rate": jnp.where(picked, p, 0.0).sum() / n,
       "select/oracle_mixed_prob": jnp.where(
           picked, selection.mixed_group_prob(p, cfg.group_size), 0.0).sum() / n,

@@ -47,6 +47,8 @@ digits). Accuracy is greedy, held-out, on the band.
          the prompts per step, the likeliest to give mixed groups sampled (exact-match tasks
          and tasks with probe references, e.g. reasoning;
          = X with oracle_candidates = 8 x prompts_per_step, without dynamic filtering)
+  C      with E or X: candidates ranked by mixed-group chance per expected generated token
+         (selection.probe_score=mixed_per_token), e.g. E+C+P2
   P<k>   k fresh prompts per step (e.g. S+P8): each arm's own batch shape
   R<k>   replay with k replayed rows per step (e.g. R128); N<k>: k optimizer passes over each
          batch (e.g. R+N2): the update-to-data ratio
@@ -150,7 +152,7 @@ def task_config():
 
 
 # Every letter an arm is made of ("+"-joined); R, N and K take a number after the letter.
-_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|E|R\d*|N\d+|P\d+|M\d+|"
+_ARM_TOKEN = re.compile(r"^(B0|B1|S|Q|L|V|U|O|A|D|H|G|X|E|C|R\d*|N\d+|P\d+|M\d+|"
                         r"K(\d+(\.\d*)?|\.\d+)?)$")
 
 
@@ -160,7 +162,7 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
   bad = [t for t in toks if not _ARM_TOKEN.match(t) or (len(toks) > 1 and t in ("B0", "B1"))]
   if bad:
     raise ValueError(f"arm {arm!r}: unknown part(s) {bad}; "
-                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, E, "
+                     "expected B0 or B1 alone, or '+'-joined S, Q, L, V, U, O, A, D, H, G, X, E, C, "
                      "R[rows], N<passes>, P<prompts>, M<band %>, K[weight] (e.g. V+S+R32, K0.2, "
                      "X+P8, M50)")
   picks = [t for t in toks if t in ("S", "Q", "H", "G", "X", "E")]
@@ -222,6 +224,11 @@ def arm_overrides(arm: str, select_mode: str) -> dict:
     o["selection.mode"] = "oracle"
   if "E" in toks:
     o["selection.mode"] = "probe"
+  if "C" in toks:  # E or X ranking by mixed-group chance per expected generated token
+    if not {"E", "X"} & set(toks):
+      raise ValueError(f"arm {arm!r}: C ranks the candidates of the probe or the oracle; "
+                       f"expected it with E or X (e.g. E+C+P2).")
+    o["selection.probe_score"] = "mixed_per_token"
   for t in toks:
     if t[:1] == "P" and t[1:].isdigit():
       o["rl.prompts_per_step"] = int(t[1:])

@@ -77,6 +77,7 @@ from rlx.errors import ConfigError
 
 MODES = ("uniform", "band", "history", "skip", "oracle", "probe")
 BUCKET_SCORES = ("mean", "spread")
+PROBE_SCORES = ("mixed", "mixed_per_token")
 HIST_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
@@ -96,6 +97,9 @@ class SelectionConfig:
   bucket_score: str = "mean"
   oracle_candidates: int = 256  # oracle: prompts probed per step (0: the whole pool)
   probe_factor: int = 8  # probe: candidates probed per step = probe_factor x prompts sampled
+  # oracle / probe: rank candidates by the chance of a mixed group ("mixed") or by that chance
+  # per expected generated token ("mixed_per_token", `oracle_pick`).
+  probe_score: str = "mixed"
   # history / skip modes, a measuring instrument: every `shadow_every` steps, `shadow_probe`
   # prompts drawn uniformly get their true pass rate probed (as the oracle does) and the
   # chance of a mixed group among those the rule excludes is logged (select/shadow_*). 0: off.
@@ -130,6 +134,12 @@ class SelectionConfig:
       raise ValueError(f"selection shadow_probe={self.shadow_probe} with mode {self.mode!r}; "
                        f"the shadow probe measures the prompts a history or skip rule "
                        f"excludes (mode 'history' or 'skip').")
+    if self.probe_score not in PROBE_SCORES:
+      raise ValueError(f"selection probe_score={self.probe_score!r}; expected one of "
+                       f"{PROBE_SCORES}.")
+    if self.probe_score != "mixed" and self.mode not in ("oracle", "probe"):
+      raise ValueError(f"selection probe_score={self.probe_score!r} with mode {self.mode!r}; "
+                       f"it ranks the probed candidates of mode 'oracle' or 'probe'.")
     if self.bucket_score not in BUCKET_SCORES:
       raise ValueError(f"selection bucket_score={self.bucket_score!r}; expected one of "
                        f"{BUCKET_SCORES}.")
@@ -219,9 +229,14 @@ def mixed_group_prob(p, group_size: int):
   return 1.0 - p ** group_size - (1.0 - p) ** group_size
 
 
-def oracle_pick(p_C, candidate_ids_C, n: int, group_size: int, key):
-  """The n candidates most likely to give a mixed group (ties broken at random)."""
+def oracle_pick(p_C, candidate_ids_C, n: int, group_size: int, key, length_C=None):
+  """The n candidates most likely to give a mixed group (ties broken at random); with
+  length_C (each candidate's expected completion length, `rlx.train.true_pass_rate`), the n
+  with the most chance of a mixed group per expected generated token: the signal a group
+  buys per token it costs, where a task's uncertain prompts are its long ones."""
   score = mixed_group_prob(p_C, group_size)
+  if length_C is not None:
+    score = score / jnp.maximum(length_C, 1.0)
   noise = 1e-6 * jax.random.uniform(key, score.shape)
   return candidate_ids_C[jax.lax.top_k(score + noise, n)[1]].astype(jnp.int32)
 

@@ -1,5 +1,7 @@
 """The oracle selector: mixed-group probability, pick rule, true pass rates and probe count."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,6 +256,64 @@ def test_probe_references_sum_their_probabilities_and_count_their_tokens():
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=1e-7)
   _, stats = train.oracle_choose(state, pool, jax.random.key(0), 2, graphdef=graphdef, cfg=cfg)
   assert float(stats["ledger/probe_tokens"]) == tokens
+
+
+def test_expected_length_and_the_per_token_pick_match_numpy():
+  """probe_score="mixed_per_token": each candidate's expected completion length is its
+  references' lengths weighted by their probabilities (numpy, unpadded forwards), the answer's
+  length on an exact-match task; the pick ranks mixed-group chance / that length."""
+  rng = np.random.default_rng(8)
+  pool = _with_references(_pool(rng, 10), rng)
+  graphdef, params = init_params(CFG, 0)
+  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
+                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  cfg = train.StepConfig(
+      prompts_per_step=3, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
+      loss=LossConfig(), sampling=SamplingParams(max_new_tokens=6),
+      selection=selection.SelectionConfig(mode="probe", probe_factor=4,
+                                          probe_score="mixed_per_token"),
+      verifier=Verifier("final_answer", (5,)), probe_references=True)
+  p, length = train.true_pass_rate(state, pool, jnp.arange(10), graphdef=graphdef, cfg=cfg,
+                                   with_length=True)
+  want_p, want_len = [], []
+  for i in range(10):
+    prompt = np.asarray(pool.prompts[i, 5 - int(pool.prompt_lens[i]):])
+    lens = [int(n) for n in np.asarray(pool.reference_lens[i]) if n]
+    probs = [_reference_pass_rate(graphdef, params, prompt, np.asarray(pool.references[i, r, :n]),
+                                  1.0) for r, n in enumerate(lens)]
+    want_p.append(sum(probs))
+    want_len.append(np.dot(probs, lens) / sum(probs))
+  np.testing.assert_allclose(np.asarray(p), want_p, rtol=2e-3, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(length), want_len, rtol=2e-3)
+  # The pick: mixed chance per token against numpy, on hand-set rates where it differs from
+  # the plain rank (the likeliest mixed group is the longest).
+  rates = np.asarray([0.5, 0.45, 0.3, 0.1, 0.9], np.float32)
+  lens = np.asarray([200., 60., 50., 20., 40.], np.float32)
+  cand = np.arange(20, 25, dtype=np.int32)
+  got = selection.oracle_pick(jnp.asarray(rates), jnp.asarray(cand), 2, 8, jax.random.key(0),
+                              jnp.asarray(lens))
+  mixed = 1 - rates ** 8 - (1 - rates) ** 8
+  assert sorted(np.asarray(got).tolist()) == sorted(cand[np.argsort(-mixed / lens)[:2]].tolist())
+  assert 20 in np.asarray(selection.oracle_pick(jnp.asarray(rates), jnp.asarray(cand), 1, 8,
+                                                jax.random.key(0)))
+  ids, stats = train.oracle_choose(state, pool, jax.random.key(2), 3, graphdef=graphdef, cfg=cfg)
+  k_cand, _ = jax.random.split(jax.random.key(2))
+  cand = np.asarray(jax.random.choice(k_cand, 10, (10,), replace=False))
+  score = (1 - np.asarray(want_p) ** 4 - (1 - np.asarray(want_p)) ** 4) / np.asarray(want_len)
+  assert sorted(np.asarray(ids).tolist()) == sorted(cand[np.argsort(-score[cand])[:3]].tolist())
+  np.testing.assert_allclose(float(stats["select/oracle_expected_len"]),
+                             np.asarray(want_len)[np.asarray(ids)].mean(), rtol=2e-3)
+  # Exact match: the answer's length.
+  plain = _pool(np.random.default_rng(9), 6)
+  _, length = train.true_pass_rate(state, plain, jnp.arange(6), graphdef=graphdef,
+                                   cfg=dataclasses.replace(cfg, verifier=Verifier("exact_match"),
+                                                           probe_references=False),
+                                   with_length=True)
+  np.testing.assert_array_equal(np.asarray(length), np.asarray(plain.answer_lens, np.float32))
+  with pytest.raises(ValueError, match="probe_score='mixed_per_token' with mode 'band'"):
+    selection.SelectionConfig(mode="band", probe_score="mixed_per_token")
+  with pytest.raises(ValueError, match="probe_score='tokens'"):
+    selection.SelectionConfig(mode="probe", probe_score="tokens")
 
 
 def test_a_final_answer_task_is_probed_only_with_references():
