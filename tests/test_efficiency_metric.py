@@ -91,6 +91,11 @@ def test_new_arms_history_skip_oracle_and_batch_shape():
     efficiency.arm_overrides("P", "band")
   with pytest.raises(ValueError, match="S and E are each a prompt-selection rule"):
     efficiency.arm_overrides("S+E+R", "band")
+  assert efficiency.arm_overrides("E+C+P2", "band") == {
+      "selection.mode": "probe", "selection.probe_score": "mixed_per_token",
+      "rl.prompts_per_step": 2}
+  with pytest.raises(ValueError, match="C ranks the candidates of the probe or the oracle"):
+    efficiency.arm_overrides("S+C", "band")
 
 
 def test_area_under_curve_steps_and_compute_at_target():
@@ -222,5 +227,31 @@ def test_mixture_arm_gives_the_band_its_share_of_the_pool():
     got = dict(cfg.task.rl_level_weights)
     np.testing.assert_allclose([got[k] for k in "1234"], [0.5, 1 / 6, 1 / 6, 1 / 6])
     assert cfg.rl.prompts_per_step == 8 and "_band_share" in o  # the caller's dict kept
+  finally:
+    flags.FLAGS.unparse_flags()
+
+
+def test_a_base_dir_the_arms_would_not_use_is_refused(tmp_path):
+  """--base_dir made with other task settings (rlx.main's reasoning run: 128 held-out problems
+  per level; the benchmark: 200) used to be skipped silently, each run training its own warm
+  start at its seed; now the benchmark stops first, naming the difference."""
+  import json
+  from absl import app, flags
+  from rlx import configs, warm_start
+  from rlx.data import registry
+  try:
+    flags.FLAGS(["efficiency", "--task=reasoning"])
+    cfg = efficiency.make_config(1, 1, 0, "", str(tmp_path / "data"), {})
+    spec = configs.resolve(cfg)
+    meta = {"task": spec.task.name, "task_spec": registry.cache_key(spec.task),
+            "model_overrides": spec.model.arch, "seed": 0}
+    (tmp_path / warm_start.BASE_META).write_text(json.dumps(meta))
+    efficiency.check_base(str(tmp_path), cfg)  # made for these settings: used
+    meta["task_spec"] = {**meta["task_spec"], "num_eval_per_level": 128}
+    (tmp_path / warm_start.BASE_META).write_text(json.dumps(meta))
+    with pytest.raises(app.UsageError, match=r"--base_dir=.*num_eval_per_level.*128"):
+      efficiency.check_base(str(tmp_path), cfg)
+    with pytest.raises(app.UsageError, match="is not a directory"):
+      efficiency.check_base(str(tmp_path / "missing"), cfg)
   finally:
     flags.FLAGS.unparse_flags()

@@ -324,6 +324,20 @@ def best_cells(ttt: dict) -> dict:
   return best
 
 
+def check_base(base_dir: str, config) -> None:
+  """--base_dir must be a warm start the arms' config accepts: else every run would train its
+  own at its seed, silently (the trainer's log is off here), as the reasoning runs of
+  2026-12-07/08 did with a base whose task recorded 128 held-out problems per level, where
+  the benchmark sets 200 (efficiency_probe_reasoning.md)."""
+  from rlx import configs, warm_start  # pylint: disable=g-import-not-at-top
+  ok, why = (False, f"{base_dir} is not a directory") if not os.path.isdir(base_dir) else (
+      warm_start.base_matches(base_dir, configs.resolve(config)))
+  if not ok:
+    raise app.UsageError(f"--base_dir={base_dir}: {why}. The arms would each train their own "
+                         f"warm start; give a base made with the benchmark's task settings (or "
+                         f"none: the benchmark makes one in --workdir_root/base_run).")
+
+
 def make_config(steps: int, eval_every: int, seed: int, base_dir: str, data_dir: str,
                 overrides: dict):
   from rlx import configs  # pylint: disable=g-import-not-at-top
@@ -518,6 +532,8 @@ def main(_):
   base_dir = _BASE_DIR.value or os.path.join(root, "base_run", "base")
   data_dir = os.path.join(root, "data")
   first = make_config(1, 1, 0, "", data_dir, {})
+  if _BASE_DIR.value and not first.model.path:
+    check_base(_BASE_DIR.value, first)
   if not (first.model.path or os.path.exists(os.path.join(base_dir, "model.safetensors"))):
     print(f"[efficiency] warm start -> {base_dir}", flush=True)
     from rlx import configs, experiment  # pylint: disable=g-import-not-at-top

@@ -46,7 +46,10 @@ Modes (`SelectionConfig.mode`):
            GRESO (Li et al. 2025, arXiv 2506.02177) and MoPPS (Qu et al. 2025), here exact
            instead of estimated from history, and it costs candidates' prefill, not rollouts.
            Its price is probe_factor x (prompt + answer) prefill tokens per prompt sampled
-           (per reference where a task names several).
+           (per reference where a task names several). `probe_score="mixed_per_token"`
+           ranks by that chance per expected generated token instead (the references'
+           lengths weighted by their probabilities), for tasks whose uncertain prompts are
+           their long ones.
            Against the tuned plain GRPO, at factor 8: op-chains 4.78x fewer generated tokens
            to target and 2.12x less compute; arithmetic 1.43x fewer tokens at 1.85x the
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
