@@ -315,7 +315,7 @@ def defaults() -> mlc.ConfigDict:
   # probe (exact-match tasks, or with probe references): the oracle's probe as a lever, on
   # probe_factor x the prompts sampled per step (x oversample with dynamic_filter). At 8:
   # 4.78x fewer tokens to target on op-chains at 2.12x less compute, but 1.85x the compute
-  # on arithmetic; reasoning 0.87x on today's warm start, 0.74x on the old (rlx.rl.selection).
+  # on arithmetic; reasoning 0.87x at 2 prompts per step, 1.09x at 1 (rlx.rl.selection).
   c.selection.probe_factor = 8
   # oracle / probe: rank the candidates by the chance of a mixed group ("mixed") or by that
   # chance per expected generated token ("mixed_per_token": where uncertain prompts are the

@@ -55,9 +55,10 @@ Modes (`SelectionConfig.mode`):
            compute (factor 4: 1.95x, the same compute); sorting digits, a family written
            after, 1.20x at 2.35x the compute; reasoning (column addition, probed through its
            two correct solutions) 0.74x on a 700-step warm start whose uncertain prompts were
-           its long, off-band ones, and 0.87x on the shipped 1200-step one, where its picks
-           are all band groups but the task is step-limited (plain GRPO needs < 1 mixed band
-           group per step) and band answers are the long ones. It pays where many steps go
+           its long, off-band ones, and 0.87x on the shipped 1200-step one at 2 prompts per
+           step, where its picks are all band groups but the task is step-limited (plain GRPO
+           needs < 1 mixed band group per step) and band answers are the long ones; at 1
+           prompt per step, where a plain step without signal is lost, 1.09x (8 seeds, CI 0.70-1.39). It pays where many steps go
            to groups without signal, not where the base learns in a few dozen steps
            (experiments/results/efficiency_chains.md, efficiency_probe_arith.md,
            efficiency_sort_digits.md, efficiency_probe_reasoning.md).
