@@ -44,6 +44,13 @@ def _pool(rng, n, p_len=5, a_len=4):
                     difficulty=jnp.zeros((n,), jnp.int32))
 
 
+def _state(params, selector=None, step=0):
+  """A TrainState holding only what the probe reads: the policy, the step, the selector."""
+  return train.TrainState(params=params, opt_state=None, rng=None,
+                          step=jnp.asarray(step, jnp.int32),
+                          policy_version=jnp.zeros((), jnp.int32), selector=selector, replay=None)
+
+
 def _reference_pass_rate(graphdef, params, prompt, answer, temperature):
   """Product of next-token probabilities of the answer, one unpadded sequence at a time."""
   tokens = np.concatenate([prompt, answer])[None]
@@ -64,8 +71,7 @@ def test_oracle_choose_uses_true_pass_rates_and_counts_its_probes(temperature):
       loss=LossConfig(), sampling=SamplingParams(max_new_tokens=4, temperature=temperature),
       selection=selection.SelectionConfig(mode="oracle", oracle_candidates=0),
       verifier=Verifier("exact_match"))
-  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  state = _state(params)
   ids, stats = train.oracle_choose(state, pool, jax.random.key(1), 3, graphdef=graphdef,
                                    cfg=cfg)
   p = np.asarray([_reference_pass_rate(
@@ -88,8 +94,7 @@ def test_oracle_candidates_are_a_uniform_subset_and_counted():
       prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
       loss=LossConfig(), sampling=SamplingParams(max_new_tokens=4),
       selection=selection.SelectionConfig(mode="oracle", oracle_candidates=10))
-  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  state = _state(params)
   _, stats = train.oracle_choose(state, pool, jax.random.key(3), 2, graphdef=graphdef, cfg=cfg)
   k_cand, _ = jax.random.split(jax.random.key(3))
   cand = np.asarray(jax.random.choice(k_cand, 40, (10,), replace=False))
@@ -102,8 +107,7 @@ def test_probe_is_the_oracle_on_factor_times_n_candidates():
   probe_factor x n candidates (what the benchmark measured as X with oracle_candidates)."""
   pool = _pool(np.random.default_rng(2), 40)
   graphdef, params = init_params(CFG, 0)
-  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  state = _state(params)
 
   def choose(**sel):
     cfg = train.StepConfig(
@@ -158,9 +162,7 @@ def test_shadow_probe_sums_true_mixed_chances_of_the_excluded_prompts(step):
   sel = selection.SelectorState.init(12)
   sel = selection.update(sel, sc, jnp.arange(6), jnp.asarray([[1.] * 4] * 4 + [[0.] * 4] * 2),
                          step=15)
-  state = train.TrainState(params=params, opt_state=None, rng=None,
-                           step=jnp.asarray(step, jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=sel, replay=None)
+  state = _state(params, selector=sel, step=step)
   stats = train.shadow_probe(state, pool, jax.random.key(4), graphdef=graphdef, cfg=cfg)
   p = np.asarray([_reference_pass_rate(
       graphdef, params, np.asarray(pool.prompts[i, 5 - int(pool.prompt_lens[i]):]),
@@ -192,8 +194,7 @@ def test_shadow_probe_sees_the_skip_rules_own_keep_draws():
       verifier=Verifier("exact_match"))
   sel = selection.SelectorState.init(40).replace(
       zero_var_streak=jnp.asarray(np.arange(40) % 4, jnp.int32))
-  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=sel, replay=None)
+  state = _state(params, selector=sel)
   key = jax.random.key(7)
   stats = train.shadow_probe(state, pool, key, graphdef=graphdef, cfg=cfg)
   w = np.asarray(selection.weights(sel, sc, 0, jax.random.split(key)[0]))
@@ -227,6 +228,15 @@ def _with_references(pool, rng, n_refs=3, width=6):
   return pool.replace(references=jnp.asarray(refs), reference_lens=jnp.asarray(lens))
 
 
+def _reference_probs(pool, i, graphdef, params, temperature):
+  """Prompt i's present references: (unpadded prompt, their lengths, their probabilities)."""
+  prompt = np.asarray(pool.prompts[i, pool.prompts.shape[1] - int(pool.prompt_lens[i]):])
+  lens = [int(n) for n in np.asarray(pool.reference_lens[i]) if n]
+  probs = [_reference_pass_rate(graphdef, params, prompt, np.asarray(pool.references[i, r, :n]),
+                                temperature) for r, n in enumerate(lens)]
+  return prompt, lens, probs
+
+
 def test_probe_references_sum_their_probabilities_and_count_their_tokens():
   """A task whose reward accepts several completions (TaskDef.probe_references): the pass
   rate is the sum of the references' probabilities, each from an unpadded forward in numpy;
@@ -234,8 +244,7 @@ def test_probe_references_sum_their_probabilities_and_count_their_tokens():
   rng = np.random.default_rng(7)
   pool = _with_references(_pool(rng, 10), rng)
   graphdef, params = init_params(CFG, 0)
-  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  state = _state(params)
   cfg = train.StepConfig(
       prompts_per_step=2, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
       loss=LossConfig(), sampling=SamplingParams(max_new_tokens=6, temperature=0.8),
@@ -244,15 +253,9 @@ def test_probe_references_sum_their_probabilities_and_count_their_tokens():
   got = train.true_pass_rate(state, pool, jnp.arange(10), graphdef=graphdef, cfg=cfg)
   want, tokens = [], 0
   for i in range(10):
-    prompt = np.asarray(pool.prompts[i, 5 - int(pool.prompt_lens[i]):])
-    total = 0.0
-    for r in range(3):
-      n = int(pool.reference_lens[i, r])
-      if n:
-        total += _reference_pass_rate(graphdef, params, prompt,
-                                      np.asarray(pool.references[i, r, :n]), 0.8)
-        tokens += len(prompt) + n
-    want.append(total)
+    prompt, lens, probs = _reference_probs(pool, i, graphdef, params, 0.8)
+    want.append(sum(probs))
+    tokens += sum(len(prompt) + n for n in lens)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=1e-7)
   _, stats = train.oracle_choose(state, pool, jax.random.key(0), 2, graphdef=graphdef, cfg=cfg)
   assert float(stats["ledger/probe_tokens"]) == tokens
@@ -265,8 +268,7 @@ def test_expected_length_and_the_per_token_pick_match_numpy():
   rng = np.random.default_rng(8)
   pool = _with_references(_pool(rng, 10), rng)
   graphdef, params = init_params(CFG, 0)
-  state = train.TrainState(params=params, opt_state=None, rng=None, step=jnp.zeros((), jnp.int32),
-                           policy_version=jnp.zeros((), jnp.int32), selector=None, replay=None)
+  state = _state(params)
   cfg = train.StepConfig(
       prompts_per_step=3, group_size=4, advantage="grpo", num_updates=1, num_minibatches=1,
       loss=LossConfig(), sampling=SamplingParams(max_new_tokens=6),
@@ -277,10 +279,7 @@ def test_expected_length_and_the_per_token_pick_match_numpy():
                                    with_length=True)
   want_p, want_len = [], []
   for i in range(10):
-    prompt = np.asarray(pool.prompts[i, 5 - int(pool.prompt_lens[i]):])
-    lens = [int(n) for n in np.asarray(pool.reference_lens[i]) if n]
-    probs = [_reference_pass_rate(graphdef, params, prompt, np.asarray(pool.references[i, r, :n]),
-                                  1.0) for r, n in enumerate(lens)]
+    _, lens, probs = _reference_probs(pool, i, graphdef, params, 1.0)
     want_p.append(sum(probs))
     want_len.append(np.dot(probs, lens) / sum(probs))
   np.testing.assert_allclose(np.asarray(p), want_p, rtol=2e-3, atol=1e-7)
